@@ -1,0 +1,65 @@
+"""The paged KV cache, shared by generate() (one contiguous run of blocks per row) and the engine.
+
+Per layer, keys and values are ``[num_blocks, block_size, num_kv_heads, head_dim]``. A token's slot
+is ``block * block_size + offset``. generate()'s "static" cache is the same structure with a block
+table that gives each row its own contiguous blocks, so one set of attention kernels serves both.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        devices: list[torch.device] | torch.device,
+    ):
+        if not isinstance(devices, (list, tuple)):
+            devices = [devices] * num_layers
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=d) for d in devices]
+        self.v = [torch.zeros(shape, dtype=dtype, device=d) for d in devices]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.k)
+
+    @staticmethod
+    def bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype) -> int:
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def contiguous_block_table(self, num_rows: int, max_len: int, device) -> torch.Tensor:
+        """Row r owns blocks [r * n, (r + 1) * n): the layout of a static cache."""
+        n = -(-max_len // self.block_size)
+        if num_rows * n > self.num_blocks:
+            raise ValueError(f"KV cache holds {self.num_blocks} blocks; {num_rows} rows of {max_len} tokens need {num_rows * n}")
+        return torch.arange(num_rows * n, dtype=torch.int32, device=device).view(num_rows, n)
+
+
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write new tokens' k, v ``[T, Hkv, D]`` into the cache at ``slot_mapping`` ``[T]``."""
+    flat_k = k_cache.view(-1, *k_cache.shape[2:])
+    flat_v = v_cache.view(-1, *v_cache.shape[2:])
+    flat_k.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    flat_v.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, max_len: int):
+    """Keys of each sequence, padded: ``[B, max_len, Hkv, D]`` read through ``block_table``.
+
+    Fixed shapes and no host reads, so decode steps that use it can be captured in a CUDA graph.
+    """
+    bs = cache.shape[1]
+    pos = torch.arange(max_len, device=block_table.device)
+    blocks = block_table[:, (pos // bs).clamp(max=block_table.shape[1] - 1)].long()  # [B, max_len]
+    slots = blocks * bs + (pos % bs)[None]
+    return cache.view(-1, *cache.shape[2:])[slots]
