@@ -75,3 +75,16 @@ class AttentionBatch:
             block_table=block_table,
             has_context=any(k != q for q, k in zip(q_lens, k_lens)),
         )
+
+    def to(self, device) -> "AttentionBatch":
+        """This batch with its tensors on ``device`` (layers spread over several devices)."""
+        device = torch.device(device)
+        if self.cu_seqlens_q.device == device:
+            return self
+        cache = self.__dict__.setdefault("_copies", {})
+        if device not in cache:
+            move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+            cache[device] = AttentionBatch(
+                move(self.cu_seqlens_q), move(self.cu_seqlens_k), move(self.seqlens_k), self.max_seqlen_q,
+                self.max_seqlen_k, self.kv_cache, move(self.slot_mapping), move(self.block_table), self.has_context)
+        return cache[device]

@@ -1,0 +1,51 @@
+"""Self-attention with Hugging Face parameter names; the attention math itself is the backend's."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .norm import RMSNorm
+from .rotary import apply_rotary_reference
+
+
+class ApplyRotary(nn.Module):
+    """Applies rotary embeddings to q and k; a module so kernels can be swapped in from outside."""
+
+    def forward(self, q, k, cos, sin):
+        return apply_rotary_reference(q, k, cos, sin)
+
+
+class Attention(nn.Module):
+    def __init__(self, config, layer_idx: int, qkv_bias: bool, o_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.scaling = self.head_dim ** -0.5
+        self.sliding_window = config.sliding_window_for(layer_idx)
+        h, d = config.hidden_size, self.head_dim
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=qkv_bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=qkv_bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=o_bias)
+        if qk_norm:
+            self.q_norm = RMSNorm(d, eps=config.rms_norm_eps)
+            self.k_norm = RMSNorm(d, eps=config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.rotary = ApplyRotary()
+        self.backend = None  # set by PreTrainedModel.set_attn_implementation
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch) -> torch.Tensor:
+        t, d = hidden.shape[0], self.head_dim
+        # -1 head counts: under tensor parallelism each rank holds a slice of the heads.
+        q = self.q_proj(hidden).view(t, -1, d)
+        k = self.k_proj(hidden).view(t, -1, d)
+        v = self.v_proj(hidden).view(t, -1, d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(q, k, cos, sin)
+        out = self.backend(q, k, v, batch, self.layer_idx, self.scaling, self.sliding_window)
+        return self.o_proj(out.reshape(t, -1))

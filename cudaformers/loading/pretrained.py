@@ -1,0 +1,165 @@
+"""``from_pretrained``: config -> model skeleton on the meta device -> weights streamed straight to
+their devices in the target dtype -> transforms (quantization, kernels, parallelism)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from ..config import PretrainedConfig
+from ..errors import CheckpointError, UnsupportedError
+from . import device_map as dm
+from .safetensors import checkpoint_files, iter_safetensors
+
+logger = logging.getLogger("cudaformers")
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32, "float16": torch.float16,
+           "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+# Checkpoint tensors that carry no weights (old transformers saved rotary tables).
+_BENIGN_EXTRA = ("rotary_emb.inv_freq",)
+
+
+def resolve_dtype(dtype, config) -> torch.dtype:
+    if dtype is None or dtype == "auto":
+        dtype = getattr(config, "torch_dtype", None) or getattr(config, "dtype", None) or "float32"
+    if isinstance(dtype, torch.dtype):
+        resolved = dtype
+    else:
+        resolved = _DTYPES.get(str(dtype).removeprefix("torch."))
+    if resolved not in (torch.float32, torch.float16, torch.bfloat16):
+        raise UnsupportedError(f"dtype={dtype!r} is not supported; use 'auto', 'bfloat16', 'float16' or 'float32'")
+    return resolved
+
+
+def _check_dtype_on_devices(dtype, placement) -> None:
+    for dev in {d for d in placement.values() if d.type == "cuda"}:
+        if dtype == torch.bfloat16 and torch.cuda.get_device_capability(dev)[0] < 8:
+            raise UnsupportedError(f"dtype=bfloat16 needs compute capability 8.0+ (Ampere or newer); {dev} is a "
+                                   f"{torch.cuda.get_device_name(dev)}. Load with dtype=torch.float16 instead.")
+
+
+def load_pretrained(path_or_repo_id, *, model_class=None, dtype="auto", torch_dtype=None, device_map=None,
+                    max_memory=None, attn_implementation=None, gguf_file=None, config=None,
+                    use_kernels=False, kernel_config=None, quantization_config=None, tp_plan=None,
+                    revision=None, cache_dir=None, token=None, local_files_only=False,
+                    trust_remote_code=False, low_cpu_mem_usage=True, **config_overrides):
+    from ..hub import resolve_folder
+    from ..models.registry import model_class_for
+
+    if trust_remote_code:
+        raise UnsupportedError("trust_remote_code=True: cudaformers never runs code from a checkpoint; "
+                               "supported architectures load without it")
+    if torch_dtype is not None:
+        if dtype != "auto":
+            raise UnsupportedError("pass dtype= or torch_dtype=, not both (torch_dtype is the old name)")
+        dtype = torch_dtype
+    start = time.perf_counter()
+    folder = resolve_folder(path_or_repo_id, gguf_file=gguf_file, revision=revision, cache_dir=cache_dir,
+                            token=token, local_files_only=local_files_only)
+    if config is None:
+        config = PretrainedConfig.from_pretrained(folder, gguf_file=gguf_file)
+    for key, value in config_overrides.items():
+        if not hasattr(config, key):
+            raise TypeError(f"from_pretrained got an unknown argument {key!r} (not a config field either)")
+        setattr(config, key, value)
+    cls = model_class or model_class_for(config)
+    dtype = resolve_dtype(dtype, config) if not gguf_file or dtype != "auto" else torch.float32
+    config.torch_dtype = str(dtype).removeprefix("torch.")
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = cls(config)
+    finally:
+        torch.set_default_dtype(previous)
+    if quantization_config is not None:
+        from ..quant.apply import prepare_model_for_quantization
+
+        prepare_model_for_quantization(model, quantization_config)
+    placement = dm.plan(model, device_map, dtype, max_memory)
+    _check_dtype_on_devices(dtype, placement)
+    _materialize(model, placement)
+    tensors = _gguf_tensors(folder / gguf_file, dtype) if gguf_file else \
+        ((n, t, f) for n, t, f in iter_safetensors(checkpoint_files(folder)))
+    _load_tensors(model, tensors)
+    model.tie_weights()
+    dm.install_device_hooks(model, placement)
+    model.hf_device_map = {k: str(v) for k, v in placement.items()}
+    model.name_or_path = str(path_or_repo_id)
+    model._choices["loaded"] = f"{folder}{'/' + gguf_file if gguf_file else ''} in {time.perf_counter() - start:.2f}s"
+
+    from ..generation.config import GenerationConfig
+
+    model.generation_config = GenerationConfig.from_model_folder(folder, config)
+    model.eval()
+    model.set_attn_implementation(attn_implementation or "sdpa")
+    if quantization_config is not None:
+        model._choices["quantization"] = repr(quantization_config)
+    if use_kernels or kernel_config is not None:
+        from ..kernels.hub import kernelize
+
+        kernelize(model, kernel_config=kernel_config)
+    if tp_plan is not None:
+        from ..distributed.tp import apply_tp_plan
+
+        apply_tp_plan(model, tp_plan)
+    return model
+
+
+def _materialize(model, placement) -> None:
+    """Give every meta parameter real (uninitialised) storage on its device."""
+    for prefix, dev in sorted(placement.items(), key=lambda kv: len(kv[0])):
+        target = model.get_submodule(prefix) if prefix else model
+        target.to_empty(device=dev, recurse=True)
+    for module in model.modules():
+        if hasattr(module, "reset_parameters") and not list(module.parameters(recurse=False)) \
+                and list(module.buffers(recurse=False)):
+            module.reset_parameters()  # buffers computed from the config (rotary frequencies)
+
+
+def _gguf_tensors(path: Path, dtype):
+    from .gguf import iter_gguf_tensors
+
+    for name, tensor in iter_gguf_tensors(path, dtype=dtype, device="cpu"):
+        yield name, tensor, path
+
+
+def _load_tensors(model, tensors) -> None:
+    params = dict(model.named_parameters(remove_duplicate=False))
+    modules = dict(model.named_modules())
+    loaded, via_loader, unexpected = set(), set(), []
+    for name, tensor, file in tensors:
+        module_name, _, attr = name.rpartition(".")
+        module = modules.get(module_name)
+        loader = getattr(module, "load_checkpoint_tensor", None)
+        if loader is not None:  # layers that pack/quantize their weights load them themselves
+            loader(attr, tensor)
+            via_loader.add(module_name)
+            continue
+        param = params.get(name)
+        if param is None:
+            if not name.endswith(_BENIGN_EXTRA):
+                unexpected.append(name)
+            continue
+        if tuple(param.shape) != tuple(tensor.shape):
+            raise CheckpointError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)} but the model built "
+                                  f"from config.json expects {tuple(param.shape)}; config.json does not match "
+                                  "the weights (wrong checkpoint or edited config)")
+        with torch.no_grad():
+            param.copy_(tensor, non_blocking=True)
+        loaded.add(name)
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    missing = [n for n in params if n not in loaded and not (tied and n == "lm_head.weight")
+               and n.rpartition(".")[0] not in via_loader]
+    if missing:
+        raise CheckpointError(f"the checkpoint lacks {len(missing)} weights the model needs, e.g. {missing[:4]}; "
+                              "the files are incomplete or belong to another architecture")
+    if unexpected:
+        logger.warning("ignored %d checkpoint tensors the model does not use, e.g. %s", len(unexpected),
+                       unexpected[:4])
+    if any(p.device.type == "cuda" for p in params.values()):
+        torch.cuda.synchronize()
