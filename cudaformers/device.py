@@ -296,15 +296,17 @@ def order_warnings(gpus: list[GPUInfo], physical_count: int | None, visible: str
     if device_order != "PCI_BUS_ID" and machine_gpus > 1:
         warnings.append(
             f"CUDA_DEVICE_ORDER is {'not set' if device_order is None else repr(device_order)}: with "
-            f"{machine_gpus} GPUs, CUDA's default FASTEST_FIRST numbering (also used to read "
+            f"{machine_gpus} GPUs, CUDA's FASTEST_FIRST numbering (the default; also used to read "
             "CUDA_VISIBLE_DEVICES) can differ from nvidia-smi's; export CUDA_DEVICE_ORDER=PCI_BUS_ID")
     expected = expected_physical_order(visible, len(gpus))
     actual = [gpu.physical_index for gpu in gpus]
     if expected is not None and None not in actual and len(expected) == len(actual) and expected != actual:
-        pairs = ", ".join(f"cuda:{gpu.cuda_index} is nvidia-smi GPU {gpu.physical_index}" for gpu in gpus
+        pairs = "; ".join(f"cuda:{gpu.cuda_index} is nvidia-smi GPU {gpu.physical_index}, "
+                          f"not {expected[gpu.cuda_index]}" for gpu in gpus
                           if gpu.physical_index != expected[gpu.cuda_index])
-        meant = "all GPUs in nvidia-smi order" if visible is None else f"CUDA_VISIBLE_DEVICES={visible!r}"
-        warnings.append(f"CUDA's order differs from nvidia-smi's: {pairs} (expected {meant}); "
+        meant = ("all GPUs visible" if visible is None
+                 else f"CUDA_VISIBLE_DEVICES={visible!r} read as nvidia-smi indices")
+        warnings.append(f"CUDA's numbering differs from nvidia-smi's ({meant}): {pairs}; "
                         "export CUDA_DEVICE_ORDER=PCI_BUS_ID so that both agree")
     return warnings
 

@@ -158,7 +158,8 @@ def test_report_warns_when_cuda_order_differs_from_nvidia_smi(two_swapped):
     text = dev.format_report(report)
     assert "not set: all GPUs visible" in text
     assert "CUDA_DEVICE_ORDER is not set: with 2 GPUs" in text
-    assert "cuda:0 is nvidia-smi GPU 1, cuda:1 is nvidia-smi GPU 0" in text
+    assert ("CUDA's numbering differs from nvidia-smi's (all GPUs visible): "
+            "cuda:0 is nvidia-smi GPU 1, not 0; cuda:1 is nvidia-smi GPU 0, not 1;") in text
     assert "00000000:41:00.0" in text and "40.0 / 80.0" in text
 
 
@@ -181,7 +182,7 @@ def test_report_warns_about_selection_on_fastest_first(monkeypatch):
     warnings = dev.collect_report()["warnings"]
     assert len(warnings) == 2
     assert "CUDA_DEVICE_ORDER is 'FASTEST_FIRST': with 2 GPUs" in warnings[0]
-    assert "cuda:0 is nvidia-smi GPU 1 (expected CUDA_VISIBLE_DEVICES='0')" in warnings[1]
+    assert "(CUDA_VISIBLE_DEVICES='0' read as nvidia-smi indices): cuda:0 is nvidia-smi GPU 1, not 0;" in warnings[1]
 
 
 def test_single_gpu_machine_has_no_order_warning(monkeypatch):
