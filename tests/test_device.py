@@ -25,7 +25,9 @@ def fake_machine(monkeypatch, gpus, smi=None):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: bool(props))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: len(props))
     monkeypatch.setattr(torch.cuda, "get_device_properties", get_props)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: (get_props(i).total_memory // 2, get_props(i).total_memory))
+    # Half of each GPU's memory is free.
+    monkeypatch.setattr(torch.cuda, "mem_get_info",
+                        lambda i: (get_props(i).total_memory // 2, get_props(i).total_memory))
     monkeypatch.setattr(dev, "_run_nvidia_smi", lambda *fields: smi)
     monkeypatch.setattr(dev, "_proc_bus_ids", lambda: [])
     for name in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "LOCAL_RANK"):

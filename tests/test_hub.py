@@ -33,7 +33,7 @@ def build_cache(cache: Path, repo_id: str = REPO, sha: str = SHA) -> Path:
 
 
 def resolve_in_subprocess(name: str, **env_vars) -> subprocess.CompletedProcess:
-    """resolve_folder in a fresh process, so that huggingface_hub reads HF_* variables at import as it does for users."""
+    """resolve_folder in a fresh process: huggingface_hub reads HF_* variables at import, as it does for users."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env.update(env_vars)
