@@ -1,0 +1,142 @@
+"""``model.generate()``: batched prompts (left-padded like transformers), a static KV cache, decode
+steps replayed from a CUDA graph on GPUs, sampling and stop checks on the device.
+
+Rows run without padding (varlen prefill), so each row's tokens equal what it gets alone. The host
+reads the device only every ``SYNC_EVERY`` steps (to stop early), or each step when a streamer or
+stop strings need the tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .config import GenerationConfig
+from .decode import get_runner
+from .logits import SamplingTensors, sample
+
+logger = logging.getLogger("cudaformers")
+SYNC_EVERY = 16
+
+
+def _resolve_config(model, generation_config, kwargs) -> GenerationConfig:
+    gen = (generation_config or model.generation_config or GenerationConfig()).copy()
+    known = set(GenerationConfig().to_dict())
+    unknown = sorted(k for k in kwargs if k not in known)
+    if unknown:
+        raise TypeError(f"generate() got unsupported arguments {unknown}; supported: {sorted(known)}")
+    gen.update(**kwargs)
+    gen.validate()
+    return gen
+
+
+def _rows(input_ids, attention_mask, pad_token_id, eos_ids):
+    """The prompts as token-id tensors without padding."""
+    if attention_mask is None:
+        if pad_token_id is not None and pad_token_id not in eos_ids and (input_ids == pad_token_id).any():
+            attention_mask = input_ids != pad_token_id  # transformers infers the mask the same way
+        else:
+            return [row for row in input_ids]
+    mask = attention_mask.to(input_ids.device).bool()
+    return [row[m] for row, m in zip(input_ids, mask)]
+
+
+def generate(model, input_ids, attention_mask=None, generation_config=None, streamer=None, tokenizer=None,
+             use_cuda_graph: bool | None = None, **kwargs):
+    gen = _resolve_config(model, generation_config, kwargs)
+    if input_ids is None:
+        raise ValueError("generate() needs input_ids (tokenize the prompt first)")
+    input_ids = input_ids.to(model.device)
+    if input_ids.dim() == 1:
+        input_ids = input_ids[None]
+    eos_ids = gen.eos_token_ids
+    pad = gen.pad_token_id if gen.pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
+    rows = _rows(input_ids, attention_mask, gen.pad_token_id, eos_ids)
+    if any(len(r) == 0 for r in rows):
+        raise ValueError("generate() got an empty prompt row; every row needs at least one token")
+    n_ret = gen.num_return_sequences
+    if n_ret > 1:
+        if not gen.do_sample:
+            raise ValueError("num_return_sequences > 1 needs do_sample=True (greedy rows would be identical)")
+        rows = [r for r in rows for _ in range(n_ret)]
+        input_ids = input_ids.repeat_interleave(n_ret, 0)
+    lens = [len(r) for r in rows]
+    s = input_ids.shape[1]
+    max_new = gen.max_new_tokens if gen.max_new_tokens is not None else max(gen.max_length - s, 0)
+    if max_new <= 0:
+        return input_ids
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit and max(lens) + max_new > limit and getattr(model.config, "rope", {}).get("rope_type") != "dynamic":
+        logger.warning("prompt + max_new_tokens = %d exceeds max_position_embeddings = %d; quality may degrade",
+                       max(lens) + max_new, limit)
+    if gen.stop_strings and tokenizer is None:
+        raise ValueError("stop_strings needs the tokenizer: generate(..., stop_strings=[...], tokenizer=tok)")
+    if streamer is not None and len(rows) > 1:
+        raise ValueError("a streamer needs a single prompt (batch size 1)")
+
+    dev = model.device
+    n = len(rows)
+    runner = get_runner(model, n, max(lens) + max_new, use_cuda_graph)
+    st = SamplingTensors.build([_sampling_row(gen)] * n, dev)
+    seen = None
+    if st.use_penalty:
+        seen = torch.zeros(n, model.config.vocab_size, dtype=torch.bool, device=dev)
+        for i, r in enumerate(rows):
+            seen[i, r] = True
+    generator = None
+    if gen.seed is not None:
+        generator = torch.Generator(device=dev).manual_seed(gen.seed)
+    eos = torch.tensor(eos_ids or [-1], device=dev)
+
+    flat = torch.cat(rows)
+    positions = torch.cat([torch.arange(k, device=dev) for k in lens])
+    batch = runner.prefill_batch(lens)
+    hidden = model.model(flat, positions, batch)
+    logits = model.compute_logits(hidden[batch.cu_seqlens_q[1:].long() - 1])
+
+    out = torch.full((n, max_new), pad, dtype=torch.long, device=dev)
+    finished = torch.zeros(n, dtype=torch.bool, device=dev)
+    ends = torch.full((n,), max_new, dtype=torch.long, device=dev)  # tokens each row produced
+    pos = torch.tensor(lens, device=dev)
+    if streamer is not None:
+        streamer.put(input_ids.cpu())
+    steps = 0
+    for step in range(max_new):
+        if step < gen.min_new_tokens and eos_ids:
+            logits = logits.float().index_fill(1, eos[eos >= 0], float("-inf"))
+        tokens = sample(logits, st, seen, generator)
+        tokens = torch.where(finished, torch.full_like(tokens, pad), tokens)
+        out[:, step] = tokens
+        steps = step + 1
+        finished |= torch.isin(tokens, eos)
+        if seen is not None:
+            seen.scatter_(1, tokens[:, None], True)
+        if streamer is not None:
+            streamer.put(tokens.cpu())
+        if gen.stop_strings:
+            _mark_stop_strings(tokenizer, out[:, : step + 1], gen.stop_strings, finished)
+        ends = torch.where(finished & (ends == max_new), step + 1, ends)
+        if step + 1 == max_new:
+            break
+        if (step + 1) % SYNC_EVERY == 0 and bool(finished.all()):
+            break
+        logits = runner.decode(tokens, pos + step)
+    if streamer is not None:
+        streamer.end()
+    # Drop columns past the last row's end (the loop may run a few steps past it between checks).
+    keep = min(int(ends.max()), steps)
+    return torch.cat([input_ids, out[:, :keep]], dim=1)
+
+
+def _sampling_row(gen: GenerationConfig) -> dict:
+    if not gen.do_sample:
+        return dict(temperature=0.0, repetition_penalty=gen.repetition_penalty)
+    return dict(temperature=gen.temperature if gen.temperature is not None else 1.0, top_k=gen.top_k,
+                top_p=gen.top_p, min_p=gen.min_p, repetition_penalty=gen.repetition_penalty)
+
+
+def _mark_stop_strings(tokenizer, generated, stop_strings, finished) -> None:
+    """Marks rows whose decoded output contains a stop string as finished (a host read per step)."""
+    texts = tokenizer.batch_decode(generated.tolist(), skip_special_tokens=True)
+    finished |= torch.tensor([any(s in t for s in stop_strings) for t in texts], device=finished.device)
