@@ -35,7 +35,8 @@ def resolve_folder(path_or_repo_id: str | os.PathLike, *, gguf_file: str | None 
     if not _REPO_ID.match(name):
         raise CheckpointError(f"{name!r} is neither a local folder nor a Hugging Face repo id ('owner/name')")
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
+    from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError,
+                                        RevisionNotFoundError)
 
     offline = local_files_only or is_offline()
     patterns = list(METADATA_PATTERNS)
@@ -46,9 +47,15 @@ def resolve_folder(path_or_repo_id: str | os.PathLike, *, gguf_file: str | None 
                                    allow_patterns=patterns, local_files_only=offline)
     except LocalEntryNotFoundError as e:
         why = "HF_HUB_OFFLINE=1 is set" if is_offline() else "offline mode was asked for or the Hub is unreachable"
+        what = repr(name) if revision is None else f"{name!r} at revision {revision!r}"
         raise CheckpointError(
-            f"{name!r} is not in the local Hugging Face cache and {why}. Download it once with network access "
-            f"(`huggingface-cli download {name}`) or pass a local folder.") from e
+            f"{what} is not in the local Hugging Face cache and {why}. Download it once with network access "
+            f"(`hf download {name}`) or pass a local folder.") from e
+    except GatedRepoError as e:
+        raise CheckpointError(f"{name!r} is gated: accept the model's license on its Hub page and pass "
+                              "token=... (or log in with `hf auth login`)") from e
+    except RevisionNotFoundError as e:
+        raise CheckpointError(f"{name!r} has no revision {revision!r}") from e
     except RepositoryNotFoundError as e:
         raise CheckpointError(f"no Hugging Face repo {name!r} (or it is private: pass token=...)") from e
     return Path(folder)

@@ -7,14 +7,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
-def pytest_collection_modifyitems(config, items):
+@pytest.fixture(autouse=True)
+def _require_cuda(request):
     # GPU tests run only on a machine with a GPU; there, a missing GPU is a failure, not a skip.
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(pytest.mark.usefixtures("_require_cuda"))
-
-
-@pytest.fixture
-def _require_cuda():
-    if not torch.cuda.is_available():
+    if request.node.get_closest_marker("gpu") and not torch.cuda.is_available():
         pytest.fail("this test needs a CUDA GPU; run `pytest -m gpu` on a GPU machine")

@@ -19,27 +19,9 @@ AUTO = ("auto", "balanced", "sequential")
 
 
 def _device(value) -> torch.device:
-    if isinstance(value, int):
-        value = f"cuda:{value}"
-    dev = torch.device(value)
-    if dev.type == "cuda":
-        count = torch.cuda.device_count()
-        if count == 0:
-            raise UnsupportedError(f"device {value!r} asked for, but no GPU is visible (CUDA_VISIBLE_DEVICES="
-                                   f"{_visible()}); use device_map='cpu' or make a GPU visible")
-        if (dev.index or 0) >= count:
-            raise UnsupportedError(f"device {value!r} asked for, but only {count} GPU(s) are visible "
-                                   f"(CUDA_VISIBLE_DEVICES={_visible()}); use cuda:0..cuda:{count - 1}")
-        dev = torch.device("cuda", dev.index or 0)
-    elif dev.type not in ("cpu", "meta"):
-        raise UnsupportedError(f"device {value!r} is not supported; use 'cpu', 'cuda', 'cuda:N' or 'auto'")
-    return dev
+    from ..device import resolve_device
 
-
-def _visible() -> str:
-    import os
-
-    return repr(os.environ.get("CUDA_VISIBLE_DEVICES", "<not set>"))
+    return resolve_device(value)
 
 
 def placement_units(model: nn.Module) -> list[str]:

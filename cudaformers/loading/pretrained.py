@@ -35,10 +35,10 @@ def resolve_dtype(dtype, config) -> torch.dtype:
 
 
 def _check_dtype_on_devices(dtype, placement) -> None:
+    from ..device import check_dtype_supported
+
     for dev in {d for d in placement.values() if d.type == "cuda"}:
-        if dtype == torch.bfloat16 and torch.cuda.get_device_capability(dev)[0] < 8:
-            raise UnsupportedError(f"dtype=bfloat16 needs compute capability 8.0+ (Ampere or newer); {dev} is a "
-                                   f"{torch.cuda.get_device_name(dev)}. Load with dtype=torch.float16 instead.")
+        check_dtype_supported(dtype, dev)
 
 
 def load_pretrained(path_or_repo_id, *, model_class=None, dtype="auto", torch_dtype=None, device_map=None,
