@@ -1,0 +1,216 @@
+"""ModelRunner: owns the paged KV cache and runs one scheduled step through the model.
+
+A step is a flat batch of tokens (decodes and prefill chunks together). The runner turns the
+scheduler's sequences into device tensors (ids, positions, slot mapping, block table, sequence
+lengths) with one pinned copy each, runs ``model.model(ids, positions, batch)``, computes logits
+only for the rows that sample, and samples on the device. The sampled ids stay on the device so
+the next step can read a decode input the host has not seen yet (async batching); a
+non-blocking copy brings them to the host. Pure-decode steps replay a CUDA graph captured per
+batch-size bucket (cuda_graph.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..attention.kv_cache import KVCache
+from ..attention.metadata import AttentionBatch
+from ..errors import UnsupportedError
+from .cache_sizing import plan_num_blocks
+from .cuda_graph import DecodeGraphs
+from .sampler import Sampler, SamplingBatch
+from .scheduler import ScheduledBatch
+from .sequence import PLACEHOLDER
+
+logger = logging.getLogger("cudaformers")
+
+
+@dataclass
+class StepHandle:
+    """A launched step: sampled ids on the device and, once ready, on the host."""
+
+    tokens: torch.Tensor | None  # [N] on the device (None: no row samples this step)
+    host_tokens: torch.Tensor | None
+    host_logprobs: tuple | None
+    ready: torch.cuda.Event | None
+
+    def result(self):
+        """(token ids, logprobs) as Python lists; blocks until the step is done."""
+        if self.tokens is None:
+            return [], None
+        if self.ready is not None:
+            self.ready.synchronize()
+        lp = None
+        if self.host_logprobs is not None:
+            lp = tuple(t.tolist() for t in self.host_logprobs)
+        return self.host_tokens.tolist(), lp
+
+
+class ModelRunner:
+    def __init__(self, model, *, block_size: int = 16, num_blocks: int | None = None,
+                 max_memory_percent: float = 0.9, max_num_seqs: int = 256, max_batch_tokens: int = 8192,
+                 max_model_len: int | None = None, use_cuda_graph: bool | None = None):
+        self.model = model
+        cfg = model.config
+        self.device = model.device
+        devices = {p.device for p in model.parameters()}
+        if len(devices) > 1:
+            raise UnsupportedError(
+                f"the engine runs a model on one device; this one spans {sorted(map(str, devices))}. "
+                "Load it with device_map='cuda' (one GPU) for LLM / generate_batch")
+        self.block_size = block_size
+        self.max_num_seqs, self.max_batch_tokens = max_num_seqs, max_batch_tokens
+        self.max_model_len = max_model_len or int(getattr(cfg, "max_position_embeddings", 4096))
+        self.vocab_size = cfg.vocab_size
+        self.sampler = Sampler()
+        self.is_cuda = self.device.type == "cuda"
+
+        shape = (cfg.num_hidden_layers, block_size, cfg.num_key_value_heads, cfg.head_dim, model.dtype)
+        if num_blocks is None:
+            num_blocks = plan_num_blocks(self, shape, max_memory_percent)
+        elif num_blocks < 1:
+            raise ValueError(f"num_blocks={num_blocks}: use a positive number of KV blocks, or None to size from memory")
+        self.num_blocks = num_blocks
+        # One extra block, never handed out: padded rows of a captured decode step write there.
+        self.pad_block = num_blocks
+        self.kv_cache = KVCache(cfg.num_hidden_layers, num_blocks + 1, block_size, cfg.num_key_value_heads,
+                                cfg.head_dim, model.dtype, self.device)
+        gib = num_blocks * KVCache.bytes_per_block(*shape) / 2**30
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB)", num_blocks, block_size,
+                    num_blocks * block_size, gib)
+
+        self._last_tokens: torch.Tensor | None = None  # sampled ids of the last launched step
+        self._last_rows: dict[int, int] = {}  # seq_id -> row in _last_tokens
+        self.graphs: DecodeGraphs | None = None
+        if use_cuda_graph is None:
+            use_cuda_graph = self.is_cuda
+            logger.info("CUDA graphs for decode steps: %s (automatic; pass use_cuda_graph= to choose)",
+                        "on" if use_cuda_graph else f"off on {self.device.type}")
+        if use_cuda_graph:
+            if not self.is_cuda:
+                raise UnsupportedError(f"use_cuda_graph=True needs a CUDA model; this one is on {self.device}")
+            self.graphs = DecodeGraphs(self)
+            self.graphs.capture()
+
+    # -- host -> device ---------------------------------------------------------------------------
+    def to_device(self, array: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(array)
+        if self.is_cuda:
+            t = t.pin_memory()
+        return t.to(self.device, non_blocking=True)
+
+    def block_table_array(self, seqs, width: int) -> np.ndarray:
+        table = np.full((len(seqs), width), self.pad_block, dtype=np.int32)
+        for i, seq in enumerate(seqs):
+            table[i, :len(seq.block_table)] = seq.block_table
+        return table
+
+    def prepare(self, batch: ScheduledBatch):
+        """Host arrays for a step, plus where decode inputs still unknown to the host come from."""
+        bs = self.block_size
+        total = batch.num_tokens
+        ids = np.empty(total, dtype=np.int64)
+        pos = np.empty(total, dtype=np.int64)
+        slots = np.empty(total, dtype=np.int64)
+        q_lens, k_lens, fill_dst, fill_src = [], [], [], []
+        off = 0
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            c = seq.num_computed_tokens
+            table = seq.block_table
+            if n == 1:  # decode: scalar arithmetic beats numpy on one element
+                tok = seq.token_ids[c]
+                if tok == PLACEHOLDER:
+                    fill_dst.append(off)
+                    fill_src.append(self._last_rows[seq.seq_id])
+                    tok = 0
+                ids[off], pos[off] = tok, c
+                slots[off] = table[c // bs] * bs + c % bs
+            else:
+                p = np.arange(c, c + n)
+                ids[off:off + n] = seq.token_ids[c:c + n]
+                pos[off:off + n] = p
+                slots[off:off + n] = np.asarray(table, dtype=np.int64)[p // bs] * bs + p % bs
+            q_lens.append(n)
+            k_lens.append(c + n)
+            off += n
+        return ids, pos, slots, q_lens, k_lens, fill_dst, fill_src
+
+    def _fill(self, input_ids: torch.Tensor, fill_dst, fill_src) -> None:
+        if fill_dst:
+            dst = self.to_device(np.asarray(fill_dst, dtype=np.int64))
+            src = self.to_device(np.asarray(fill_src, dtype=np.int64))
+            input_ids[dst] = self._last_tokens[src]
+
+    # -- one step ---------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> StepHandle:
+        ids, pos, slots, q_lens, k_lens, fill_dst, fill_src = self.prepare(batch)
+        graph_bs = self.graphs.bucket(batch, max(k_lens)) if self.graphs is not None else None
+        if graph_bs is not None:
+            logits = self.graphs.replay(graph_bs, batch, ids, pos, slots, k_lens, fill_dst, fill_src)
+        else:
+            logits = self._eager(batch, ids, pos, slots, q_lens, k_lens, fill_dst, fill_src)
+        return self._sample(batch, logits)
+
+    def _eager(self, batch, ids, pos, slots, q_lens, k_lens, fill_dst, fill_src):
+        width = max(len(s.block_table) for s in batch.seqs)
+        cu_q = np.zeros(len(q_lens) + 1, dtype=np.int32)
+        np.cumsum(q_lens, out=cu_q[1:])
+        cu_k = np.zeros(len(k_lens) + 1, dtype=np.int32)
+        np.cumsum(k_lens, out=cu_k[1:])
+        cu_q_dev = self.to_device(cu_q)
+        attn = AttentionBatch(
+            cu_seqlens_q=cu_q_dev, cu_seqlens_k=self.to_device(cu_k),
+            seqlens_k=self.to_device(np.asarray(k_lens, dtype=np.int32)),
+            max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens), kv_cache=self.kv_cache,
+            slot_mapping=self.to_device(slots), block_table=self.to_device(self.block_table_array(batch.seqs, width)),
+            has_context=any(q != k for q, k in zip(q_lens, k_lens)))
+        input_ids = self.to_device(ids)
+        self._fill(input_ids, fill_dst, fill_src)
+        hidden = self.model.model(input_ids, self.to_device(pos), attn)
+        if not batch.sample_indices:
+            return None
+        last = cu_q[1:][batch.sample_indices] - 1
+        rows = hidden if len(last) == hidden.shape[0] else hidden[self.to_device(last.astype(np.int64))]
+        return self.model.compute_logits(rows)
+
+    def _sample(self, batch: ScheduledBatch, logits) -> StepHandle:
+        if logits is None:
+            self._last_rows = {}  # nothing of this step can be a later step's input
+            return StepHandle(None, None, None, None)
+        seqs = [batch.seqs[i] for i in batch.sample_indices]
+        params = [s.params for s in seqs]
+        histories = None
+        if any(p.needs_history for p in params):
+            histories = [s.token_ids for s in seqs]
+            assert all(PLACEHOLDER not in h for h in histories), "penalty rows need their tokens on the host"
+        generators = [self._generator(s) for s in seqs]
+        # Outputs so far (a token still in flight counts): min_tokens is checked against it.
+        num_out = [s.num_output_tokens for s in seqs]
+        sb = SamplingBatch.build(params, histories, num_out, generators, self.device)
+        tokens, logprobs = self.sampler(logits, sb)
+        self._last_tokens = tokens
+        self._last_rows = {s.seq_id: r for r, s in enumerate(seqs)}
+        if not self.is_cuda:
+            return StepHandle(tokens, tokens, logprobs, None)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        host_lp = None
+        if logprobs is not None:
+            host_lp = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                            for t in logprobs)
+        ready = torch.cuda.Event()
+        ready.record()
+        return StepHandle(tokens, host, host_lp, ready)
+
+    def _generator(self, seq) -> torch.Generator | None:
+        if seq.params.seed is None or seq.params.greedy:
+            return None
+        g = getattr(seq, "generator", None)
+        if g is None:
+            g = seq.generator = torch.Generator(self.device).manual_seed(seq.params.seed)
+        return g
