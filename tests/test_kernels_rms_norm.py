@@ -1,0 +1,70 @@
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from cudaformers.kernels.rms_norm import rms_norm, rms_norm_residual_reference  # noqa: E402
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def assert_matches(out, ref_same_dtype, ref_fp32, what):
+    """fp32: tight; half types: within twice the error of the same-dtype reference against fp32."""
+    out, ref_same_dtype, ref_fp32 = out.float(), ref_same_dtype.float(), ref_fp32.float()
+    if out.dtype == ref_same_dtype.dtype and ref_same_dtype.equal(ref_fp32):
+        torch.testing.assert_close(out, ref_fp32, rtol=1e-5, atol=1e-5, msg=what)
+        return
+    err = (out - ref_fp32).abs().max().item()
+    budget = 2 * (ref_same_dtype - ref_fp32).abs().max().item() + 1e-6
+    assert err <= budget, f"{what}: max error {err:.3g} > 2x reference error {budget:.3g}"
+
+
+def _inputs(rows, cols, dtype, residual):
+    g = torch.Generator().manual_seed(rows * 131 + cols)
+    x = torch.randn(rows, cols, generator=g)
+    w = 1 + 0.1 * torch.randn(cols, generator=g)
+    r = torch.randn(rows, cols, generator=g) if residual else None
+    dy = torch.randn(rows, cols, generator=g)
+    return x, w, r, dy
+
+
+def _run(fn, x, w, r, dy, dtype):
+    x = x.to(dtype).requires_grad_()
+    w = w.to(dtype).requires_grad_()
+    r = r.to(dtype).requires_grad_() if r is not None else None
+    out = fn(x, w, 1e-6, r)
+    y, s = out if r is not None else (out, None)
+    loss = (y.float() * dy).sum() + (0 if s is None else (s.float() * dy.flip(0)).sum())
+    loss.backward()
+    grads = [x.grad, w.grad] + ([r.grad] if r is not None else [])
+    return [y] + ([s] if s is not None else []) + grads
+
+
+def _ref(x, w, eps, r=None):
+    return rms_norm_residual_reference(x, w, eps, r)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,cols,residual", [(1, 64, False), (7, 33, True), (16, 128, True), (5, 100, False)])
+def test_rms_norm_matches_reference(rows, cols, residual, dtype):
+    x, w, r, dy = _inputs(rows, cols, dtype, residual)
+    ours = _run(rms_norm, x, w, r, dy, dtype)
+    ref = _run(_ref, x, w, r, dy, dtype)
+    ref32 = _run(_ref, x, w, r, dy, torch.float32)
+    names = ["y", "s", "dx", "dw", "dr"] if residual else ["y", "dx", "dw"]
+    for name, a, b, c in zip(names, ours, ref, ref32):
+        assert a.dtype == b.dtype, name
+        assert_matches(a, b, c, f"{name} ({dtype}, {rows}x{cols})")
+
+
+def test_rms_norm_inference_path_and_fp32_weight():
+    x, w, r, _ = _inputs(3, 48, torch.bfloat16, True)
+    with torch.no_grad():
+        y, s = rms_norm(x.bfloat16(), w, 1e-5, r.bfloat16())  # fp32 weight: output promoted as in PyTorch
+        y_ref, s_ref = _ref(x.bfloat16(), w, 1e-5, r.bfloat16())
+    assert y.dtype == y_ref.dtype == torch.float32
+    # One bf16 ulp: the Triton interpreter rounds casts toward zero, GPUs to nearest.
+    torch.testing.assert_close(s, s_ref, rtol=2 ** -7, atol=0)
+    torch.testing.assert_close(y, y_ref, rtol=2e-2, atol=2e-2)
