@@ -1,0 +1,76 @@
+"""The "triton" backend: cudaformers' own FlashAttention kernels (kernels/flash_attention*.py, paged_decode.py).
+
+* prefill: varlen causal forward, with the Triton backward when gradients are needed (training).
+* with_cache, one query per sequence (decode): flash-decoding over the paged cache, capturable in CUDA
+  graphs.
+* with_cache, longer queries (chunked prefill, prefix-cache hits, mixed steps): the varlen forward
+  reading keys straight through the block table.
+
+Runs on CUDA; on CPU only under ``TRITON_INTERPRET=1`` (slow, meant for tests).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import UnsupportedError
+from .registry import AttentionBackend, Capabilities, register
+
+MAX_HEAD_DIM = 256
+
+
+def _interpreting() -> bool:
+    from ..kernels.flash_attention_fwd import interpreting
+
+    return interpreting()
+
+
+class TritonAttention(AttentionBackend):
+    name = "triton"
+    # Set when this instance stands in for a flash-attn package that is not installed.
+    resolved_from: str | None = None
+
+    @property
+    def caps(self) -> Capabilities:
+        devices = {"cuda", "cpu"} if _interpreting() else {"cuda"}
+        return Capabilities(devices=frozenset(devices), notes=[
+            f"head_dim up to {MAX_HEAD_DIM}", "CPU only under TRITON_INTERPRET=1 (tests)"])
+
+    def available(self) -> str | None:
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return "needs the `triton` package (pip install triton)"
+        return None
+
+    def unsupported_reason(self, *, device, dtype, head_dim, sliding_window, training):
+        why = super().unsupported_reason(device=device, dtype=dtype, head_dim=head_dim,
+                                         sliding_window=sliding_window, training=training)
+        if why is None and head_dim > MAX_HEAD_DIM:
+            why = f"supports head_dim up to {MAX_HEAD_DIM}, not {head_dim}"
+        return why
+
+    def prefill(self, q, k, v, batch, scale, window):
+        from ..kernels.flash_attention import flash_attn_varlen
+
+        cu, m = batch.cu_seqlens_q, batch.max_seqlen_q
+        return flash_attn_varlen(q, k, v, cu, cu, m, m, scale, window)
+
+    def with_cache(self, q, k_cache, v_cache, batch, scale, window):
+        if torch.is_grad_enabled() and q.requires_grad:
+            raise UnsupportedError(
+                "the triton backend has no backward through the KV cache; run training forwards "
+                "without a cache (or under torch.no_grad() for generation)")
+        if batch.max_seqlen_q == 1:
+            from ..kernels.paged_decode import paged_decode
+
+            return paged_decode(q, k_cache, v_cache, batch.seqlens_k, batch.block_table, batch.max_seqlen_k,
+                                scale, window)
+        from ..kernels.flash_attention_fwd import attention_fwd
+
+        out, _ = attention_fwd(q, k_cache, v_cache, batch.cu_seqlens_q, batch.cu_seqlens_k, batch.max_seqlen_q,
+                               scale, window, block_table=batch.block_table)
+        return out
+
+
+register(TritonAttention())
