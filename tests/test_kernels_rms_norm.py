@@ -7,18 +7,9 @@ import torch  # noqa: E402
 
 from cudaformers.kernels.rms_norm import rms_norm, rms_norm_residual_reference  # noqa: E402
 
+from test_kernels_tolerance import assert_matches  # noqa: E402
+
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-def assert_matches(out, ref_same_dtype, ref_fp32, what):
-    """fp32: tight; half types: within twice the error of the same-dtype reference against fp32."""
-    out, ref_same_dtype, ref_fp32 = out.float(), ref_same_dtype.float(), ref_fp32.float()
-    if out.dtype == ref_same_dtype.dtype and ref_same_dtype.equal(ref_fp32):
-        torch.testing.assert_close(out, ref_fp32, rtol=1e-5, atol=1e-5, msg=what)
-        return
-    err = (out - ref_fp32).abs().max().item()
-    budget = 2 * (ref_same_dtype - ref_fp32).abs().max().item() + 1e-6
-    assert err <= budget, f"{what}: max error {err:.3g} > 2x reference error {budget:.3g}"
 
 
 def _inputs(rows, cols, dtype, residual):
