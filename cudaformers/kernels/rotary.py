@@ -49,31 +49,34 @@ def _rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float)
 
 
 class _Rotary(torch.autograd.Function):
+    # One tensor per call: autograd can rebase the history of a view modified in place only when the
+    # Function returns that single tensor (q and k are views of their projections).
     @staticmethod
-    def forward(ctx, q, k, cos, sin):
-        _rotate_(q, cos, sin, 1.0)
-        _rotate_(k, cos, sin, 1.0)
-        ctx.mark_dirty(q, k)
+    def forward(ctx, x, cos, sin):
+        _rotate_(x, cos, sin, 1.0)
+        ctx.mark_dirty(x)
         ctx.save_for_backward(cos, sin)
-        return q, k
+        return x
 
     @staticmethod
-    def backward(ctx, dq, dk):
+    def backward(ctx, dx):
         cos, sin = ctx.saved_tensors
-        dq, dk = dq.contiguous().clone(), dk.contiguous().clone()
-        _rotate_(dq, cos, sin, -1.0)
-        _rotate_(dk, cos, sin, -1.0)
-        return dq, dk, None, None
+        dx = dx.contiguous().clone()
+        _rotate_(dx, cos, sin, -1.0)
+        return dx, None, None
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """Rotates q and k in place and returns them; differentiable in q and k."""
     cos, sin = cos.contiguous(), sin.contiguous()
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
-        return _Rotary.apply(q, k, cos, sin)
-    _rotate_(q, cos, sin, 1.0)
-    _rotate_(k, cos, sin, 1.0)
-    return q, k
+    out = []
+    for x in (q, k):
+        if torch.is_grad_enabled() and x.requires_grad:
+            out.append(_Rotary.apply(x, cos, sin))
+        else:
+            _rotate_(x, cos, sin, 1.0)
+            out.append(x)
+    return tuple(out)
 
 
 __all__ = ["apply_rotary", "apply_rotary_reference"]
