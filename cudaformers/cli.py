@@ -46,8 +46,13 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "_import_error", None):
         print(f"cudaformers {args.command}: {args._import_error}", file=sys.stderr)
         return 2
+    from .errors import CudaformersError
+
     try:
         return import_module(args._module).run(args) or 0
+    except CudaformersError as e:  # a user-facing problem: one clear line, no traceback
+        print(f"cudaformers {args.command}: error: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
 
