@@ -11,8 +11,9 @@ import os
 import torch
 
 
-def assert_matches(out, ref_same_dtype, ref_fp32, what: str = "") -> None:
-    dtype = out.dtype
+def assert_matches(out, ref_same_dtype, ref_fp32, what: str = "", dtype=None) -> None:
+    """``dtype``: the precision the computation ran in (defaults to the output's)."""
+    dtype = dtype or out.dtype
     out, ref_same_dtype, ref_fp32 = out.float(), ref_same_dtype.float(), ref_fp32.float()
     assert out.shape == ref_fp32.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref_fp32.shape)}"
     if dtype == torch.float32:

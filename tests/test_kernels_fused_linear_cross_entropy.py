@@ -1,0 +1,77 @@
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from cudaformers.kernels.fused_linear_cross_entropy import (  # noqa: E402
+    fused_linear_cross_entropy, fused_linear_cross_entropy_reference)
+
+from test_kernels_tolerance import assert_matches  # noqa: E402
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _inputs(n, h, v, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, h, generator=g)
+    weight = torch.randn(v, h, generator=g) / h ** 0.5 * 4
+    targets = torch.randint(0, v, (n,), generator=g)
+    targets[torch.rand(n, generator=g) < 0.25] = -100
+    return hidden, weight, targets
+
+
+def _run(fn, hidden, weight, targets, dtype, **kw):
+    h = hidden.to(dtype).requires_grad_()
+    w = weight.to(dtype).requires_grad_()
+    loss = fn(h, w, targets, **kw)
+    (loss * 1.5).backward()
+    return loss.detach(), h.grad, w.grad
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,h,v,chunk", [(1, 16, 64, None), (13, 24, 37, 4), (32, 32, 1500, 8), (9, 8, 2048, None)])
+def test_flce_matches_reference(n, h, v, chunk, dtype):
+    hidden, weight, targets = _inputs(n, h, v, seed=n + v)
+    if (targets == -100).all():
+        targets[0] = 3
+    ours = _run(fused_linear_cross_entropy, hidden, weight, targets, dtype, chunk_size=chunk)
+    ref = _run(fused_linear_cross_entropy_reference, hidden, weight, targets, dtype)
+    ref32 = _run(fused_linear_cross_entropy_reference, hidden, weight, targets, torch.float32)
+    for what, a, b, c in zip(["loss", "dhidden", "dweight"], ours, ref, ref32):
+        assert a.dtype == b.dtype, what
+        assert_matches(a, b, c, f"{what} {dtype}", dtype=dtype)
+
+
+def test_flce_num_items_in_batch_and_frozen_weight():
+    hidden, weight, targets = _inputs(11, 16, 50, seed=3)
+    h = hidden.clone().requires_grad_()
+    loss = fused_linear_cross_entropy(h, weight, targets, num_items_in_batch=7, chunk_size=4)
+    loss.backward()
+    h_ref = hidden.clone().requires_grad_()
+    ref = fused_linear_cross_entropy_reference(h_ref, weight, targets, num_items_in_batch=7)
+    ref.backward()
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(h.grad, h_ref.grad)
+    with torch.no_grad():
+        torch.testing.assert_close(fused_linear_cross_entropy(hidden, weight, targets),
+                                   fused_linear_cross_entropy_reference(hidden, weight, targets))
+
+
+def test_flce_fp32_weight_with_half_hidden_as_under_autocast():
+    hidden, weight, targets = _inputs(6, 16, 40, seed=5)
+    h = hidden.bfloat16().requires_grad_()
+    w = weight.clone().requires_grad_()
+    fused_linear_cross_entropy(h, w, targets).backward()
+    assert w.grad.dtype == torch.float32 and h.grad.dtype == torch.bfloat16
+    w_ref = weight.clone().requires_grad_()
+    fused_linear_cross_entropy_reference(hidden.bfloat16(), w_ref, targets).backward()
+    torch.testing.assert_close(w.grad, w_ref.grad, rtol=2e-2, atol=2e-3)
+
+
+def test_flce_rejects_out_of_range_targets():
+    hidden, weight, targets = _inputs(4, 8, 10)
+    targets[1] = 10
+    with pytest.raises(RuntimeError, match="outside"):
+        fused_linear_cross_entropy(hidden, weight, targets)
