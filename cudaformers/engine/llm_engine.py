@@ -69,9 +69,11 @@ class LLMEngine:
         return rid
 
     def make_sequence(self, prompt_token_ids: list[int], params: SamplingParams | None,
-                      request_id: str | None = None) -> Sequence:
-        """A checked, not yet queued, sequence (raises for a request that can never run)."""
-        params = dataclasses.replace(params or SamplingParams(), _eos_token_ids=self.eos_token_ids)
+                      request_id: str | None = None, eos_token_ids=None) -> Sequence:
+        """A checked, not yet queued, sequence (raises for a request that can never run).
+        ``eos_token_ids`` replaces the model's EOS ids for this request."""
+        eos = self.eos_token_ids if eos_token_ids is None else frozenset(eos_token_ids)
+        params = dataclasses.replace(params or SamplingParams(), _eos_token_ids=eos)
         if request_id is None:
             request_id = self.new_request_id()
         if request_id in self.requests:
@@ -81,15 +83,21 @@ class LLMEngine:
         if bad:
             raise CudaformersError(f"request {request_id!r} has token ids outside the vocabulary "
                                    f"[0, {self.runner.vocab_size}): {bad[:5]}")
-        return Sequence(request_id, ids, params)
+        seq = Sequence(request_id, ids, params)
+        self.scheduler.check(seq)
+        return seq
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         seq = self.make_sequence(prompt_token_ids, params, request_id)
+        self.add_sequence(seq)
+        return seq.request_id
+
+    def add_sequence(self, seq: Sequence) -> None:
+        """Queue a sequence from ``make_sequence`` (raises if it can never fit)."""
         self.scheduler.add(seq)
         self.requests[seq.request_id] = seq
         self._num_needs_history += seq.params.needs_history
-        return seq.request_id
 
     def abort_request(self, request_id: str) -> Sequence | None:
         """Cancel a request; returns its sequence (finished, reason "abort") or None if unknown."""

@@ -23,7 +23,11 @@ from .sequence import PLACEHOLDER, FinishReason, Sequence, SequenceStatus
 logger = logging.getLogger("cudaformers")
 
 
-class RequestTooLongError(CudaformersError, ValueError):
+class InvalidRequestError(CudaformersError, ValueError):
+    """A request the engine can never run."""
+
+
+class RequestTooLongError(InvalidRequestError):
     """A request can never fit in the context or the KV cache."""
 
 
@@ -63,9 +67,16 @@ class Scheduler:
 
     # -- requests ---------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
+        self.check(seq)
+        self.bm.update_hashes(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def check(self, seq: Sequence) -> None:
+        """Raise RequestTooLongError for a request that could never run to its end."""
         n = seq.num_prompt_tokens
         if n == 0:
-            raise RequestTooLongError(f"request {seq.request_id!r} has an empty prompt; give it at least one token")
+            raise InvalidRequestError(f"request {seq.request_id!r} has an empty prompt; give it at least one token")
         if n >= self.max_model_len:
             raise RequestTooLongError(
                 f"request {seq.request_id!r}: its prompt has {n} tokens, the context holds {self.max_model_len} "
@@ -77,9 +88,6 @@ class Scheduler:
                 f"request {seq.request_id!r} can grow to {total} tokens ({need} blocks of {self.bm.block_size}) but the "
                 f"KV cache has {self.bm.num_blocks} blocks in all; lower max_tokens or the prompt, or give the cache "
                 f"more memory (num_blocks=, max_memory_percent=)")
-        self.bm.update_hashes(seq)
-        seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """End a sequence wherever it is (running, or waiting after a preemption) and free its blocks."""
