@@ -4,10 +4,12 @@ import logging
 import os
 import types
 
-os.environ["TRITON_INTERPRET"] = "1"  # the triton backend runs its kernels in the interpreter on CPU
+import torch
+
+if not torch.cuda.is_available():  # the triton backend interprets its kernels on CPU
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 from cudaformers.attention import flash  # noqa: E402
 from cudaformers.attention.kv_cache import KVCache, store_kv  # noqa: E402
