@@ -1,0 +1,217 @@
+"""Quantization configs, with transformers' names where transformers has them.
+
+``BitsAndBytesConfig`` takes transformers' arguments (``load_in_4bit``, ``bnb_4bit_quant_type``,
+``bnb_4bit_use_double_quant``, ``bnb_4bit_compute_dtype``, ``load_in_8bit``) but runs on
+cudaformers' own Triton kernels: no bitsandbytes. ``Int8Config``, ``Int4Config`` and ``FP8Config``
+are weight-only int8 (per channel), group-wise int4 and e4m3 fp8. A config saved in config.json
+(``to_dict``) comes back through ``quantization_config_from``; GPTQ checkpoints' configs load too.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field, fields
+
+import torch
+
+from ..errors import UnsupportedError
+
+logger = logging.getLogger("cudaformers")
+DEFAULT_SKIP = ("lm_head",)
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _dtype(value) -> torch.dtype | None:
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    name = str(value).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise UnsupportedError(f"compute dtype {value!r} is not supported; use 'bfloat16', 'float16' or 'float32'")
+    return _DTYPES[name]
+
+
+@dataclass
+class QuantizationConfig:
+    quant_method = ""
+    modules_to_not_convert: list[str] | None = None
+
+    @property
+    def method(self) -> str:
+        """The kernel family: int8, int4, nf4, fp4, fp8."""
+        raise NotImplementedError
+
+    @property
+    def skip_modules(self) -> tuple[str, ...]:
+        return tuple(self.modules_to_not_convert) if self.modules_to_not_convert is not None else DEFAULT_SKIP
+
+    def to_dict(self) -> dict:
+        out = {"quant_method": self.quant_method}
+        for k, v in asdict(self).items():
+            out[k] = str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else v
+        return out
+
+    def to_json_string(self) -> str:
+        import json
+
+        return json.dumps(self.to_dict(), indent=2)
+
+    def describe(self) -> str:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return self.describe()
+
+
+@dataclass(repr=False)
+class Int8Config(QuantizationConfig):
+    """int8 weights, one fp32 scale per output channel; activations stay in the compute dtype."""
+
+    quant_method = "int8"
+    compute_dtype: torch.dtype | str | None = None
+
+    method = property(lambda self: "int8")
+
+    def describe(self) -> str:
+        return "int8 weight-only, per-channel scales"
+
+
+@dataclass(repr=False)
+class Int4Config(QuantizationConfig):
+    """int4 weights in groups of ``group_size`` input features, one fp16 scale (and zero point when
+    ``sym=False``) per group."""
+
+    quant_method = "int4"
+    group_size: int = 128
+    sym: bool = True
+    compute_dtype: torch.dtype | str | None = None
+
+    method = property(lambda self: "int4")
+
+    def __post_init__(self):
+        if self.group_size < 16 or self.group_size & (self.group_size - 1):
+            raise UnsupportedError(f"Int4Config(group_size={self.group_size}): use a power of two >= 16 "
+                                   "(128 is the usual choice)")
+
+    def describe(self) -> str:
+        return f"int4 weight-only, group {self.group_size}, {'symmetric' if self.sym else 'asymmetric'}"
+
+
+@dataclass(repr=False)
+class GPTQConfig(Int4Config):
+    """A pre-quantized GPTQ checkpoint (read from its config.json); repacked to int4 as it loads."""
+
+    quant_method = "gptq"
+    bits: int = 4
+    desc_act: bool = False
+    checkpoint_format: str = "gptq"
+
+    def __post_init__(self):
+        if self.group_size == -1:
+            raise UnsupportedError("GPTQ group_size=-1 (one group per row) is not supported; use a grouped "
+                                   "checkpoint (group_size 32/64/128)")
+        super().__post_init__()
+        if self.bits != 4:
+            raise UnsupportedError(f"GPTQ bits={self.bits}: only 4-bit GPTQ checkpoints load")
+        if self.desc_act:
+            raise UnsupportedError("GPTQ desc_act=True (act-order) checkpoints are not supported; use one "
+                                   "quantized with desc_act=False")
+
+    def describe(self) -> str:
+        return f"GPTQ int4 checkpoint, group {self.group_size}, {'symmetric' if self.sym else 'asymmetric'}"
+
+
+@dataclass(repr=False)
+class FP8Config(QuantizationConfig):
+    """e4m3 weights with per-channel scales; activations quantized per token at run time; matmuls on
+    fp8 tensor cores (compute capability 8.9+)."""
+
+    quant_method = "fp8"
+    activation_scheme: str = "dynamic"
+
+    method = property(lambda self: "fp8")
+
+    def __post_init__(self):
+        if self.activation_scheme != "dynamic":
+            raise UnsupportedError(f"FP8Config(activation_scheme={self.activation_scheme!r}): only 'dynamic' "
+                                   "(per-token scales computed at run time) is supported")
+
+    def describe(self) -> str:
+        return "fp8 e4m3 weights (per-channel) and activations (per-token), torch._scaled_mm"
+
+
+@dataclass(repr=False)
+class BitsAndBytesConfig(QuantizationConfig):
+    """transformers' ``BitsAndBytesConfig`` arguments, on cudaformers' kernels."""
+
+    quant_method = "bitsandbytes"
+    load_in_8bit: bool = False
+    load_in_4bit: bool = False
+    bnb_4bit_quant_type: str = "fp4"  # transformers' default
+    bnb_4bit_use_double_quant: bool = False
+    bnb_4bit_compute_dtype: torch.dtype | str | None = None
+    llm_int8_skip_modules: list[str] | None = None
+    llm_int8_threshold: float = 6.0
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.load_in_8bit == self.load_in_4bit:
+            raise UnsupportedError("BitsAndBytesConfig needs exactly one of load_in_4bit=True or load_in_8bit=True")
+        if self.bnb_4bit_quant_type not in ("nf4", "fp4"):
+            raise UnsupportedError(f"bnb_4bit_quant_type={self.bnb_4bit_quant_type!r}: use 'nf4' or 'fp4'")
+        self.bnb_4bit_compute_dtype = _dtype(self.bnb_4bit_compute_dtype)
+        if self.modules_to_not_convert is None and self.llm_int8_skip_modules is not None:
+            self.modules_to_not_convert = list(self.llm_int8_skip_modules)
+        if self.load_in_8bit:
+            logger.info("load_in_8bit: int8 weight-only with per-channel scales (no LLM.int8 outlier "
+                        "decomposition; llm_int8_threshold is not used)")
+
+    @property
+    def method(self) -> str:
+        return "int8" if self.load_in_8bit else self.bnb_4bit_quant_type
+
+    @property
+    def compute_dtype(self):
+        return self.bnb_4bit_compute_dtype
+
+    def to_dict(self) -> dict:
+        out = super().to_dict()
+        out.pop("extra")
+        out.update(self.extra)
+        return out
+
+    def describe(self) -> str:
+        if self.load_in_8bit:
+            return "bitsandbytes-style 8-bit: int8 weight-only, per-channel scales"
+        dq = ", double quant" if self.bnb_4bit_use_double_quant else ""
+        return f"bitsandbytes-style 4-bit: {self.bnb_4bit_quant_type} in blocks of 64{dq}"
+
+
+_BY_METHOD = {c.quant_method: c for c in (Int8Config, Int4Config, GPTQConfig, FP8Config, BitsAndBytesConfig)}
+
+
+def quantization_config_from(value) -> QuantizationConfig:
+    """A config object, a dict (config.json's ``quantization_config``) or transformers' config object."""
+    if isinstance(value, QuantizationConfig):
+        return value
+    if not isinstance(value, dict) and hasattr(value, "to_dict"):
+        value = value.to_dict()  # e.g. transformers.BitsAndBytesConfig
+    if not isinstance(value, dict):
+        raise UnsupportedError(f"quantization_config={value!r}: pass BitsAndBytesConfig, Int8Config, Int4Config, "
+                               "FP8Config or a dict with a 'quant_method'")
+    data = dict(value)
+    method = data.pop("quant_method", None)
+    cls = _BY_METHOD.get(method)
+    if cls is None:
+        raise UnsupportedError(f"quant_method={method!r} is not supported; cudaformers loads {sorted(_BY_METHOD)}")
+    if method == "fp8" and data.get("weight_block_size"):
+        raise UnsupportedError("block-wise fp8 checkpoints (weight_block_size) are not supported; load the "
+                               "bf16 checkpoint with FP8Config() to quantize per channel instead")
+    if method == "gptq":
+        data["checkpoint_format"] = data.get("checkpoint_format") or "gptq"
+    known = {f.name for f in fields(cls)}
+    kwargs = {k: v for k, v in data.items() if k in known}
+    if cls is BitsAndBytesConfig:
+        kwargs["extra"] = {k: v for k, v in data.items() if k not in known}  # kept for round trips
+    elif method in ("int8", "int4") and kwargs.get("compute_dtype"):
+        kwargs["compute_dtype"] = _dtype(kwargs["compute_dtype"])
+    return cls(**kwargs)
