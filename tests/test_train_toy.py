@@ -147,7 +147,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, fn, kwargs, outdir):
+def _worker(rank, world, port, fn, kwargs, results_dir):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -160,15 +160,15 @@ def _worker(rank, world, port, fn, kwargs, outdir):
 
         if dist.is_initialized():
             dist.destroy_process_group()
-    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
+    with open(os.path.join(results_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
 
 
-def run_processes(fn, world: int, outdir, timeout: float = 240, **kwargs) -> list:
+def run_processes(fn, world: int, results_dir, timeout: float = 240, **kwargs) -> list:
     """Run ``fn(**kwargs)`` in ``world`` gloo processes; return each rank's value (raises on failure)."""
     import torch.multiprocessing as mp
 
-    ctx = mp.start_processes(_worker, args=(world, free_port(), fn, kwargs, str(outdir)), nprocs=world,
+    ctx = mp.start_processes(_worker, args=(world, free_port(), fn, kwargs, str(results_dir)), nprocs=world,
                              join=False, start_method="spawn")
     import time
 
@@ -180,7 +180,7 @@ def run_processes(fn, world: int, outdir, timeout: float = 240, **kwargs) -> lis
             raise TimeoutError(f"{world} processes did not finish in {timeout} s")
     values = []
     for r in range(world):
-        res = json.load(open(os.path.join(outdir, f"rank{r}.json")))
+        res = json.load(open(os.path.join(results_dir, f"rank{r}.json")))
         if not res["ok"]:
             raise AssertionError(f"rank {r} failed: {res['error']}")
         values.append(res["value"])

@@ -1,0 +1,86 @@
+"""DDP, FSDP2 and tensor parallelism on 2 CPU processes (gloo) against the single-process run."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from cudaformers.train.arguments import TrainingArguments
+from cudaformers.train.checkpoint import load_safetensors
+from cudaformers.train.trainer import Trainer
+from test_train_toy import ToyLM, run_processes, token_dataset
+
+STEPS, GLOBAL_BATCH = 10, 4
+
+
+def train_curve(outdir, per_device, resume=None, save_model=None, **kw):
+    """Train the toy model; rank 0 returns {step: loss} and how many parameters are sharded DTensors."""
+    from torch.distributed.tensor import DTensor
+
+    base = dict(output_dir=outdir, per_device_train_batch_size=per_device, max_steps=STEPS, learning_rate=1e-2,
+                logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0, lr_scheduler_type="linear",
+                warmup_steps=2, weight_decay=0.01)
+    a = TrainingArguments(**{**base, **kw})
+    model = ToyLM()
+    trainer = Trainer(model, a, train_dataset=token_dataset(40, seed=5, min_len=3, max_len=20))
+    sharded = sum(isinstance(p, DTensor) for p in model.parameters())
+    trainer.train(resume_from_checkpoint=resume)
+    if save_model:
+        trainer.save_model(save_model)
+    if int(os.environ.get("RANK", "0")):
+        return None
+    rows = [json.loads(line) for line in open(os.path.join(outdir, "log.jsonl"))]
+    return {str(r["step"]): r["loss"] for r in rows if "loss" in r}, sharded
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    d = tmp_path_factory.mktemp("single")
+    curve, _ = train_curve(str(d / "run"), GLOBAL_BATCH, save_model=str(d / "model"))
+    return curve, load_safetensors(d / "model")
+
+
+def _close(got, want, rtol):
+    assert sorted(got, key=int) == sorted(want, key=int)
+    assert [got[k] for k in want] == pytest.approx([want[k] for k in want], rel=rtol)
+
+
+def test_ddp_matches_single_process(tmp_path, single):
+    curve, sharded = run_processes(train_curve, 2, tmp_path, outdir=str(tmp_path / "run"),
+                                   per_device=GLOBAL_BATCH // 2)[0]
+    _close(curve, single[0], 1e-4)
+    assert sharded == 0
+
+
+def test_fsdp2_matches_single_process_and_saves_a_plain_model(tmp_path, single):
+    curve, sharded = run_processes(train_curve, 2, tmp_path, outdir=str(tmp_path / "run"),
+                                   per_device=GLOBAL_BATCH // 2, fsdp="full_shard", save_model=str(tmp_path / "model"))[0]
+    _close(curve, single[0], 1e-4)
+    assert sharded == len(list(ToyLM().parameters()))  # every parameter sharded
+    saved = load_safetensors(tmp_path / "model")
+    assert saved.keys() == single[1].keys()
+    for k, v in single[1].items():
+        torch.testing.assert_close(saved[k], v, rtol=1e-3, atol=1e-4, msg=k)
+
+
+def test_fsdp2_sharded_checkpoint_resumes(tmp_path):
+    out = str(tmp_path / "run")
+    full, _ = run_processes(train_curve, 2, tmp_path, outdir=out, per_device=2, fsdp="full_shard",
+                            save_strategy="steps", save_steps=4)[0]
+    assert os.path.isdir(os.path.join(out, "checkpoint-4", "distcp"))
+    resumed_dir = str(tmp_path / "resumed")
+    resumed, _ = run_processes(train_curve, 2, tmp_path, outdir=resumed_dir, per_device=2, fsdp="full_shard",
+                               resume=os.path.join(out, "checkpoint-4"))[0]
+    assert sorted(resumed, key=int) == [str(s) for s in range(5, STEPS + 1)]
+    assert [resumed[k] for k in resumed] == pytest.approx([full[k] for k in resumed], rel=1e-6)
+
+
+def test_tensor_parallel_matches_single_process(tmp_path, single):
+    curve, sharded = run_processes(train_curve, 2, tmp_path, outdir=str(tmp_path / "run"), per_device=GLOBAL_BATCH,
+                                   tp_size=2, save_model=str(tmp_path / "model"))[0]
+    _close(curve, single[0], 1e-4)
+    assert sharded == 7 * 2  # q/k/v/o/gate/up/down in each of the 2 blocks
+    saved = load_safetensors(tmp_path / "model")
+    for k, v in single[1].items():
+        torch.testing.assert_close(saved[k], v, rtol=1e-3, atol=1e-4, msg=k)
