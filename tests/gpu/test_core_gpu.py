@@ -1,0 +1,58 @@
+"""The core on a GPU: loading, logits against transformers in bf16/fp16, graph decode == eager."""
+
+import pytest
+import torch
+
+import tiny
+from cudaformers import AutoModelForCausalLM
+
+pytestmark = pytest.mark.gpu
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "mistral_window"])
+def test_logits_close_to_transformers(name, dtype):
+    folder = tiny.checkpoint(name)
+    ours = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, device_map="cuda")
+    ref = tiny.hf_model(folder, dtype=dtype).cuda()
+    ref32 = tiny.hf_model(folder).cuda()
+    ids = torch.randint(3, 211, (2, 48), device="cuda")
+    with torch.no_grad():
+        got, want, exact = ours(ids).logits.float(), ref(ids).logits.float(), ref32(ids).logits
+    # Within 2x the error transformers itself makes in this dtype, against fp32.
+    assert (got - exact).abs().max() <= 2 * (want - exact).abs().max() + 1e-3
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("attn", ["sdpa", "triton"])
+def test_graph_decode_equals_eager(dtype, attn):
+    folder = tiny.checkpoint("qwen3")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, device_map="cuda", attn_implementation=attn)
+    ids = torch.randint(3, 211, (3, 17), device="cuda")
+    kw = dict(max_new_tokens=40, do_sample=False, eos_token_id=None)
+    graph = model.generate(ids, use_cuda_graph=True, **kw)
+    eager = model.generate(ids, use_cuda_graph=False, **kw)
+    assert torch.equal(graph, eager)
+    assert "generate cuda graphs" not in model.explain() or "on" in model.explain()
+
+
+def test_fp32_greedy_equals_transformers_on_gpu():
+    folder = tiny.checkpoint("llama")
+    ours = AutoModelForCausalLM.from_pretrained(folder, device_map="cuda")
+    ref = tiny.hf_model(folder).cuda()
+    ids = torch.randint(3, 211, (1, 10), device="cuda")
+    kw = dict(max_new_tokens=32, do_sample=False, eos_token_id=None)
+    assert torch.equal(ours.generate(ids, **kw), ref.generate(ids, **kw))
+
+
+def test_sampling_on_gpu_is_seeded():
+    model = AutoModelForCausalLM.from_pretrained(tiny.checkpoint("llama"), dtype=torch.bfloat16, device_map="cuda")
+    ids = torch.randint(3, 211, (2, 8), device="cuda")
+    kw = dict(do_sample=True, top_p=0.9, temperature=0.8, max_new_tokens=24, seed=3, eos_token_id=None)
+    assert torch.equal(model.generate(ids, **kw), model.generate(ids, **kw))
+
+
+def test_device_map_auto_places_on_gpu():
+    model = AutoModelForCausalLM.from_pretrained(tiny.checkpoint("qwen2"), device_map="auto")
+    assert all(p.device.type == "cuda" for p in model.parameters())
