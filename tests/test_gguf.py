@@ -95,11 +95,15 @@ def test_config_matches_transformers():
 
 
 @pytest.fixture(scope="module")
-def transformers_state_dict():
+def transformers_model():
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(SMOL_DIR, gguf_file=SMOL_NAME, dtype=torch.float32)
-    return {k: v.detach() for k, v in model.state_dict().items()}
+    return AutoModelForCausalLM.from_pretrained(SMOL_DIR, gguf_file=SMOL_NAME, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def transformers_state_dict(transformers_model):
+    return {k: v.detach() for k, v in transformers_model.state_dict().items()}
 
 
 def test_tensors_match_transformers(transformers_state_dict):
@@ -185,3 +189,19 @@ def test_gguf_tokenizer_matches_transformers():
             assert text == ref.apply_chat_template(chat, add_generation_prompt=gen, tokenize=False)
             assert ours.apply_chat_template(chat, add_generation_prompt=gen) == \
                 ref.apply_chat_template(chat, add_generation_prompt=gen, return_dict=False)
+
+
+def test_model_from_gguf_generates_like_transformers(transformers_model):
+    from cudaformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(SMOL_DIR, gguf_file=SMOL_NAME)
+    model = AutoModelForCausalLM.from_pretrained(SMOL_DIR, gguf_file=SMOL_NAME, dtype=torch.float32)
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    for inputs in (tok("The three primary colors are", return_tensors="pt"),
+                   tok.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)):
+        prompt_len = inputs["input_ids"].shape[1]
+        ours = model.generate(**inputs, max_new_tokens=32, do_sample=False)
+        with torch.no_grad():
+            ref = transformers_model.generate(**inputs, max_new_tokens=32, do_sample=False)
+        assert ours[0, prompt_len:].tolist() == ref[0, prompt_len:].tolist()
+    assert "Paris" in tok.decode(ours[0, prompt_len:], skip_special_tokens=True)
