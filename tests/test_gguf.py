@@ -205,3 +205,42 @@ def test_model_from_gguf_generates_like_transformers(transformers_model):
             ref = transformers_model.generate(**inputs, max_new_tokens=32, do_sample=False)
         assert ours[0, prompt_len:].tolist() == ref[0, prompt_len:].tolist()
     assert "Paris" in tok.decode(ours[0, prompt_len:], skip_special_tokens=True)
+
+
+def test_sentencepiece_gguf_tokenizer_matches_transformers(tmp_path):
+    """A llama-type (sentencepiece) vocabulary: no merges in the file, they come from the scores."""
+    from transformers import AutoTokenizer
+
+    pieces = ["▁the", "▁a", "▁c", "at", "▁cat", "▁s", "▁sat", "on", "▁on", "▁m", "▁mat", "he", "ll", "llo", "▁he",
+              "▁hello", "▁w", "or", "ld", "▁world", "in", "▁in", "ing", "▁th", "er", "▁her", "é", "▁é"]
+    chars = sorted({c for p in pieces for c in p} | set("abcdefghijklmnopqrstuvwxyzTH,.!?'"))
+    tokens = ["<unk>", "<s>", "</s>", *[f"<0x{i:02X}>" for i in range(256)], *chars, *pieces]
+    types = [2, 3, 3] + [6] * 256 + [1] * (len(chars) + len(pieces))
+    # sentencepiece BPE scores: characters 0 down, pieces by merge rank
+    scores = [0.0] * (3 + 256) + [-1000.0 - i for i in range(len(chars))] + [-float(i) for i in range(len(pieces))]
+    path = tmp_path / "spm.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_chat_template("{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}"
+                             "{{ eos_token }}{% endfor %}")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    ours = gguf_tokenizer(path)
+    ref = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="spm.gguf")
+    for text in ["hello world", "the cat sat on the mat", "  the  cat ", "Hello, World!", "déjà héllo", "日本 🤖",
+                 "<s>the</s>", "\n\tmixed whitespace\n", ""]:
+        ids = ours(text)["input_ids"]
+        assert ids == ref(text)["input_ids"], text
+        for skip in (False, True):
+            assert ours.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip), text
+    chat = [{"role": "user", "content": "hello world"}]
+    assert ours.apply_chat_template(chat) == ref.apply_chat_template(chat, return_dict=False)
