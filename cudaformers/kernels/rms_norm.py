@@ -81,13 +81,15 @@ def rms_norm_forward(x, weight, eps, residual=None):
     r2 = residual.reshape(-1, shape[-1]).contiguous() if residual is not None else None
     n_rows, n_cols = x2.shape
     # Like ``weight * h.to(dtype)``: an fp32 weight (autocast master weights) gives an fp32 output.
-    y = torch.empty(x2.shape, device=x.device, dtype=torch.promote_types(x.dtype, weight.dtype))
-    s = torch.empty_like(x2) if r2 is not None else x2
+    # Outputs are allocated in the caller's shape, not as views: callers modify them in place (rotary
+    # on a normed q), which autograd forbids on views created inside a Function.
+    y = torch.empty(shape, device=x.device, dtype=torch.promote_types(x.dtype, weight.dtype))
+    s = torch.empty(shape, device=x.device, dtype=x.dtype) if r2 is not None else x2
     rstd = torch.empty(n_rows, device=x.device, dtype=torch.float32)
     block, programs, per = _launch_shape(n_rows, n_cols, x.device)
     _rms_norm_fwd[(programs,)](x2, r2 if r2 is not None else x2, weight, y, s, rstd, n_rows, n_cols, eps, per,
                                HAS_RESIDUAL=r2 is not None, BLOCK=block)
-    return y.view(shape), s.view(shape), rstd
+    return y, s.view(shape), rstd
 
 
 def rms_norm_backward(dy, ds, s, weight, rstd):
@@ -96,12 +98,12 @@ def rms_norm_backward(dy, ds, s, weight, rstd):
     n_rows, n_cols = s2.shape
     dy2 = dy.reshape(-1, n_cols).contiguous()
     ds2 = ds.reshape(-1, n_cols).contiguous() if ds is not None else None
-    dx = torch.empty_like(s2)
+    dx = torch.empty(shape, device=s.device, dtype=s.dtype)
     block, programs, per = _launch_shape(n_rows, n_cols, s.device)
     dw = torch.empty(programs, n_cols, device=s.device, dtype=torch.float32)
     _rms_norm_bwd[(programs,)](dy2, ds2 if ds2 is not None else dy2, s2, weight, rstd, dx, dw, n_rows, n_cols,
                                per, HAS_DS=ds2 is not None, BLOCK=block)
-    return dx.view(shape), dw.sum(0).to(weight.dtype)
+    return dx, dw.sum(0).to(weight.dtype)
 
 
 class _RMSNorm(torch.autograd.Function):

@@ -1,0 +1,290 @@
+"""``use_kernels`` / ``KernelConfig``: which layers of a built model run a Triton kernel.
+
+A layer type (``"RMSNorm"``, ``"rotary_pos_emb"``, ``"SiluAndMul"``...) maps to a kernel name from the
+bundled registry (``"cudaformers:rms_norm"``), or per device type and optionally per mode::
+
+    KernelConfig(kernel_mapping={"RMSNorm": "cudaformers:rms_norm",
+                                 "SiluAndMul": {"cuda": "cudaformers:act_and_mul", "cpu": ""},
+                                 "ForCausalLMLoss": {"cuda": {"training": "cudaformers:fused_linear_cross_entropy",
+                                                              "inference": ""}}})
+
+An empty value keeps the plain PyTorch layer. Layer types left out get the default for the device
+(``inherit_mapping=True``): every kernel on CUDA, plain PyTorch on CPU. A kernel swap replaces the
+module's ``forward`` on the instance, so parameters, names and types are untouched and the swap is
+undone by deleting it; ``model.train()`` / ``.eval()`` re-resolve the mapping for the new mode.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import types
+from dataclasses import dataclass, field
+
+from ..errors import UnsupportedError
+
+logger = logging.getLogger("cudaformers")
+MODES = ("inference", "training")
+
+
+# -- the bundled kernels, as forwards bound onto existing modules ---------------------------------
+
+def _rms_norm(self, x, residual=None):
+    from .rms_norm import rms_norm
+
+    return rms_norm(x, self.weight, self.variance_epsilon, residual)
+
+
+def _rotary(self, q, k, cos, sin):
+    from .rotary import apply_rotary
+
+    return apply_rotary(q, k, cos, sin)
+
+
+def _act_and_mul(self, gate, up):
+    from .activation import act_and_mul
+
+    return act_and_mul(gate, up, self.name)
+
+
+def _moe_experts(self, hidden, top_k_index, top_k_weights):
+    from .moe import moe_experts
+
+    return moe_experts(hidden, self.gate_up_proj, self.down_proj, top_k_index, top_k_weights, self.act)
+
+
+def _selective_scan(self, *args, **kwargs):
+    from .mamba import selective_scan
+
+    return selective_scan(*args, **kwargs)
+
+
+def _causal_conv1d(self, x):
+    from .mamba import causal_conv1d
+
+    return causal_conv1d(x, self.weight, self.bias)
+
+
+@dataclass(frozen=True)
+class LayerType:
+    name: str
+    matches: object               # module -> bool
+    kernels: dict                 # kernel name -> forward to bind (None: installed on the model itself)
+    about: str
+    default_modes: tuple = MODES  # modes in which CUDA gets the kernel by default
+
+
+def _is(cls_path: str, **attrs):
+    def check(module) -> bool:
+        module_path, _, cls_name = cls_path.rpartition(".")
+        cls = getattr(__import__(module_path, fromlist=[cls_name]), cls_name)
+        return isinstance(module, cls) and all(getattr(module, k, None) in v for k, v in attrs.items())
+    return check
+
+
+def _tagged(tag: str):
+    return lambda module: getattr(module, "kernel_layer_name", None) == tag
+
+
+_SILU, _GELU = ("silu", "swish"), ("gelu", "gelu_pytorch_tanh", "gelu_new")
+LAYER_TYPES = {t.name: t for t in [
+    LayerType("RMSNorm", _is("cudaformers.layers.norm.RMSNorm"), {"cudaformers:rms_norm": _rms_norm},
+              "RMSNorm with the residual add fused in"),
+    LayerType("rotary_pos_emb", _is("cudaformers.layers.attention.ApplyRotary"), {"cudaformers:rotary": _rotary},
+              "rotary embeddings applied in place to q and k"),
+    LayerType("SiluAndMul", _is("cudaformers.layers.mlp.GatedActivation", name=_SILU),
+              {"cudaformers:act_and_mul": _act_and_mul}, "silu(gate) * up"),
+    LayerType("GeluAndMul", _is("cudaformers.layers.mlp.GatedActivation", name=_GELU),
+              {"cudaformers:act_and_mul": _act_and_mul}, "gelu(gate) * up (tanh or erf)"),
+    LayerType("ForCausalLMLoss", lambda m: hasattr(m, "fused_loss") and hasattr(m, "lm_head"),
+              {"cudaformers:fused_linear_cross_entropy": None},
+              "lm_head + cross-entropy without the full logits", default_modes=("training",)),
+    LayerType("MoeExperts", _tagged("MoeExperts"), {"cudaformers:grouped_gemm": _moe_experts},
+              "MoE experts as one grouped GEMM over all experts"),
+    LayerType("selective_scan_fn", _tagged("selective_scan_fn"), {"cudaformers:selective_scan": _selective_scan},
+              "Mamba selective scan"),
+    LayerType("causal_conv1d_fn", _tagged("causal_conv1d_fn"), {"cudaformers:causal_conv1d": _causal_conv1d},
+              "Mamba causal depthwise conv1d"),
+]}
+
+
+@dataclass
+class KernelConfig:
+    """Which kernel each layer type gets; see the module docstring for the mapping format."""
+
+    kernel_mapping: dict = field(default_factory=dict)
+    use_local_kernel: bool = False
+    inherit_mapping: bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.kernel_mapping, dict):
+            raise UnsupportedError(f"kernel_mapping must be a dict of layer type -> kernel, got "
+                                   f"{type(self.kernel_mapping).__name__}")
+        for layer, value in self.kernel_mapping.items():
+            if layer not in LAYER_TYPES:
+                raise UnsupportedError(f"kernel_mapping: unknown layer type {layer!r}; known: {', '.join(LAYER_TYPES)}")
+            for device, per_mode in (value.items() if isinstance(value, dict) else [(None, value)]):
+                for mode, name in (per_mode.items() if isinstance(per_mode, dict) else [(None, per_mode)]):
+                    if mode is not None and mode not in MODES:
+                        raise UnsupportedError(f"kernel_mapping[{layer!r}][{device!r}]: mode {mode!r} is not "
+                                               f"one of {MODES}")
+                    _check_name(layer, name)
+
+
+def _check_name(layer: str, name) -> None:
+    if isinstance(name, tuple):  # transformers' ("org/repo:Layer", {"version": ...}) form
+        name = name[0]
+    if not isinstance(name, str):
+        raise UnsupportedError(f"kernel_mapping[{layer!r}]: expected a kernel name string, got {name!r}")
+    if name == "" or name in LAYER_TYPES[layer].kernels:
+        return
+    if name.startswith("cudaformers:"):
+        raise UnsupportedError(f"kernel_mapping[{layer!r}] = {name!r} is not a bundled kernel for {layer}; "
+                               f"available: {', '.join(LAYER_TYPES[layer].kernels)} (or '' for plain PyTorch)")
+    if "/" in name and ":" in name:
+        try:
+            import kernels  # noqa: F401
+        except ImportError:
+            raise UnsupportedError(f"kernel_mapping[{layer!r}] = {name!r} names a Hub kernel repo, which needs "
+                                   "the `kernels` package (pip install kernels) and network access") from None
+        raise UnsupportedError(f"kernel_mapping[{layer!r}] = {name!r}: cudaformers runs its bundled Triton "
+                               f"kernels only; use {', '.join(LAYER_TYPES[layer].kernels)} (same layer, no "
+                               "download) or '' for plain PyTorch")
+    raise UnsupportedError(f"kernel_mapping[{layer!r}] = {name!r} is neither a bundled kernel "
+                           f"({', '.join(LAYER_TYPES[layer].kernels)}) nor a Hub repo 'org/repo:Layer'")
+
+
+# -- resolution: (layer type, device type, mode) -> (kernel name or "", reason) --------------------
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def resolve(layer: str, device_type: str, mode: str, config: KernelConfig | None) -> tuple[str, str]:
+    lt = LAYER_TYPES[layer]
+    mapping = config.kernel_mapping if config is not None else {}
+    if layer in mapping:
+        value = mapping[layer]
+        if isinstance(value, dict):
+            if device_type not in value:
+                return "", f"the mapping has no entry for {device_type}"
+            value = value[device_type]
+        if isinstance(value, dict):
+            if mode not in value:
+                return "", f"the mapping has no entry for {device_type}/{mode}"
+            value = value[mode]
+        name = value[0] if isinstance(value, tuple) else value
+        if not name:
+            return "", "mapped to '' (plain PyTorch)"
+        if device_type != "cuda" and not _interpreting():
+            raise UnsupportedError(f"kernel_mapping[{layer!r}] asks for the Triton kernel {name!r} on {device_type}; "
+                                   "Triton kernels need a CUDA GPU. Map this device to '' for plain PyTorch, load "
+                                   "the model on a GPU, or set TRITON_INTERPRET=1 (slow, for testing)")
+        return name, "requested"
+    if config is not None and not config.inherit_mapping:
+        return "", "not in the mapping (inherit_mapping=False)"
+    if device_type != "cuda":
+        return "", f"default on {device_type}: Triton kernels need a GPU"
+    if mode not in lt.default_modes:
+        return "", f"default in {mode}: the plain layer is already optimal here"
+    return next(iter(lt.kernels)), "default on cuda"
+
+
+def _module_device_type(module, fallback: str) -> str:
+    for p in module.parameters(recurse=False):
+        return p.device.type
+    return fallback
+
+
+def _apply(model, config: KernelConfig | None, mode: str) -> dict:
+    """Binds the resolved kernels for ``mode``; returns {layer type: (kernel or "", reason, count)}."""
+    model_device = "cuda" if any(p.device.type == "cuda" for p in model.parameters()) else "cpu"
+    chosen = {}
+    for module in model.modules():
+        for lt in LAYER_TYPES.values():
+            if not lt.matches(module):
+                continue
+            name, why = resolve(lt.name, _module_device_type(module, model_device), mode, config)
+            if lt.name == "ForCausalLMLoss":
+                from .fused_linear_cross_entropy import fused_linear_cross_entropy
+
+                module.fused_loss = fused_linear_cross_entropy if name else None
+            else:
+                module.__dict__.pop("forward", None)
+                if name:
+                    module.forward = types.MethodType(lt.kernels[name], module)
+            kernel, reason, count = chosen.get(lt.name, (name, why, 0))
+            chosen[lt.name] = (kernel, reason, count + 1)
+    return chosen
+
+
+def _mode_hook(model, training: bool) -> None:
+    if getattr(model, "_kernel_config", False) is not False:
+        _record(model, _apply(model, model._kernel_config, "training" if training else "inference"))
+
+
+def _record(model, chosen: dict) -> None:
+    parts = [f"{layer} -> {kernel or 'plain'} ({why}, {n}x)" for layer, (kernel, why, n) in chosen.items()]
+    model._choices["kernels"] = "; ".join(parts) if parts else "no swappable layers"
+    for layer, (kernel, why, _) in chosen.items():
+        logger.info("kernels: %s -> %s (%s)", layer, kernel or "plain PyTorch", why)
+
+
+def kernelize(model, kernel_config: KernelConfig | None = None, use_kernels: bool = True):
+    """Swaps kernels into ``model`` for its current mode (and again on every ``.train()``/``.eval()``).
+
+    ``kernel_config=None`` uses the default mapping of the model's device; ``use_kernels=False`` puts
+    every plain layer back and stops following mode changes. Returns the model.
+    """
+    hooks = model.__dict__.setdefault("_mode_hooks", [])
+    if not use_kernels:
+        _apply(model, KernelConfig(inherit_mapping=False), "inference")
+        model._kernel_config = False
+        if _mode_hook in hooks:
+            hooks.remove(_mode_hook)
+        model._choices.pop("kernels", None)
+        return model
+    model._kernel_config = kernel_config
+    if _mode_hook not in hooks:
+        hooks.append(_mode_hook)
+    _mode_hook(model, model.training)
+    return model
+
+
+# -- `cudaformers kernels [MODEL]` ----------------------------------------------------------------
+
+def add_arguments(parser) -> None:
+    parser.add_argument("model", nargs="?", help="a model folder or Hub id: show only its layer types")
+    parser.add_argument("--device", choices=["cuda", "cpu"], help="device type to resolve for (default: this machine's)")
+
+
+def layer_types_of(model_id: str) -> list[str]:
+    """The layer types a model has, from its config alone (the model is built on the meta device)."""
+    import torch
+
+    from ..config import AutoConfig
+    from ..models.registry import model_class_for
+
+    config = AutoConfig.from_pretrained(model_id)
+    with torch.device("meta"):
+        model = model_class_for(config)(config)
+    return [lt.name for lt in LAYER_TYPES.values() if any(lt.matches(m) for m in model.modules())]
+
+
+def run(args) -> int:
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    names = layer_types_of(args.model) if args.model else list(LAYER_TYPES)
+    rows = [("layer type", "inference", "training", "what")]
+    for name in names:
+        cells = []
+        for mode in MODES:
+            kernel, why = resolve(name, device, mode, None)
+            cells.append(f"{kernel or 'plain'} ({why})")
+        rows.append((name, *cells, LAYER_TYPES[name].about))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    print(f"kernels for device {device} (use_kernels=True){' for ' + args.model if args.model else ''}:")
+    for r in rows:
+        print("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    return 0
