@@ -155,32 +155,48 @@ def _worker(rank, world, port, fn, kwargs, results_dir):
         result = {"ok": True, "value": fn(**kwargs)}
     except BaseException as e:  # reported to the parent, which fails the test with it
         result = {"ok": False, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}
-    finally:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
     with open(os.path.join(results_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def run_processes(fn, world: int, results_dir, timeout: float = 240, **kwargs) -> list:
-    """Run ``fn(**kwargs)`` in ``world`` gloo processes; return each rank's value (raises on failure)."""
-    import torch.multiprocessing as mp
+    """Run ``fn(**kwargs)`` in ``world`` gloo processes; return each rank's value (raises on failure).
 
-    ctx = mp.start_processes(_worker, args=(world, free_port(), fn, kwargs, str(results_dir)), nprocs=world,
-                             join=False, start_method="spawn")
+    Judged by what each rank reported: gloo's threads sometimes abort the interpreter's exit after the
+    work is done, which says nothing about the work.
+    """
     import time
 
+    import torch.multiprocessing as mp
+
+    for r in range(world):  # a report left by an earlier run must not stand in for this one
+        if os.path.exists(os.path.join(results_dir, f"rank{r}.json")):
+            os.remove(os.path.join(results_dir, f"rank{r}.json"))
+    ctx = mp.start_processes(_worker, args=(world, free_port(), fn, kwargs, str(results_dir)), nprocs=world,
+                             join=False, start_method="spawn")
     deadline = time.monotonic() + timeout
-    while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
+    while True:
+        try:
+            if ctx.join(timeout=max(1.0, deadline - time.monotonic())):
+                break
+        except mp.ProcessExitedException:
+            break
         if time.monotonic() > deadline:
             for p in ctx.processes:
                 p.kill()
             raise TimeoutError(f"{world} processes did not finish in {timeout} s")
+    for p in ctx.processes:
+        p.join(timeout=30)
     values = []
     for r in range(world):
-        res = json.load(open(os.path.join(results_dir, f"rank{r}.json")))
+        path = os.path.join(results_dir, f"rank{r}.json")
+        if not os.path.exists(path):
+            raise AssertionError(f"rank {r} died without reporting (exit code {ctx.processes[r].exitcode})")
+        res = json.load(open(path))
         if not res["ok"]:
             raise AssertionError(f"rank {r} failed: {res['error']}")
         values.append(res["value"])
