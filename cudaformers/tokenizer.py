@@ -256,8 +256,8 @@ class Tokenizer:
         from tokenizers import AddedToken
 
         tokens = [tokens] if isinstance(tokens, str) else tokens
-        added = [t if isinstance(t, AddedToken) else AddedToken(t, special=special_tokens, normalized=not special_tokens)
-                 for t in tokens]
+        added = [t if isinstance(t, AddedToken) else
+                 AddedToken(t, special=special_tokens, normalized=not special_tokens) for t in tokens]
         return self._backend.add_special_tokens(added) if special_tokens else self._backend.add_tokens(added)
 
     def add_special_tokens(self, tokens: dict) -> int:
@@ -310,7 +310,9 @@ class Tokenizer:
         if pad_to is not None:
             ids, masks = self._pad(ids, masks, max_length if pad_to == "max_length" else None, pad_to_multiple_of,
                                    padding_side or self.padding_side)
-        out = BatchEncoding(input_ids=ids, attention_mask=masks) if return_attention_mask else BatchEncoding(input_ids=ids)
+        out = BatchEncoding(input_ids=ids)
+        if return_attention_mask:
+            out["attention_mask"] = masks
         if return_tensors is not None:
             return _to_tensors(out, return_tensors)
         if not batched:

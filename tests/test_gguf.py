@@ -163,8 +163,8 @@ def test_import_without_gguf_package():
 
 
 TEXTS = ["Hello world!", "  leading and trailing  ", "tabs\tand\nnewlines\n\n\nend", "日本語のテキストと中文", "emoji 🤖🎉👍🏽 ok",
-         "numbers 1234567 3.14159", "<|im_start|>user\nhi<|im_end|>", "x<repo_name>y<|endoftext|>", "déjà vu — ‘quotes’",
-         "a" * 50, "   ", ""]
+         "numbers 1234567 3.14159", "<|im_start|>user\nhi<|im_end|>", "x<repo_name>y<|endoftext|>",
+         "déjà vu — ‘quotes’", "a" * 50, "   ", ""]
 
 
 def test_gguf_tokenizer_matches_transformers():
