@@ -89,6 +89,10 @@ class Trainer:
         if self.flat and not {"batch", "positions"} <= set(inspect.signature(model.forward).parameters):
             raise UnsupportedError(f"packing=True needs a model whose forward takes (input_ids, positions, batch, "
                                    f"labels) — cudaformers models do; {type(model).__name__} does not")
+        params = inspect.signature(model.forward).parameters
+        # Models that take num_items_in_batch (cudaformers', transformers') return sum / num_items:
+        # exact token weighting with no 0/0 on a micro-batch without targets. Others return a mean.
+        self._takes_num_items = "num_items_in_batch" in params
         self.strategy = args.strategy
         self.dp_size = self.dist.world_size // args.tp_size
         self._optimizers = optimizers
@@ -178,7 +182,9 @@ class Trainer:
         return loader, sampler
 
     # -- one micro-batch --------------------------------------------------------------------------
-    def _forward(self, model: nn.Module, batch: dict) -> torch.Tensor:
+    def _forward(self, model: nn.Module, batch: dict, num_items: torch.Tensor | None = None) -> torch.Tensor:
+        """The micro-batch's loss: its mean, or its sum / ``num_items`` when that is given and the
+        model takes it."""
         dev = self.device
         if self.flat:
             attn = AttentionBatch.from_seqlens(batch["seqlens"], dev)
@@ -186,6 +192,8 @@ class Trainer:
             kwargs["batch"] = attn
         else:
             kwargs = {k: v.to(dev, non_blocking=True) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        if num_items is not None:
+            kwargs["num_items_in_batch"] = num_items
         ctx = torch.autocast(dev.type, dtype=self.autocast_dtype) if self.autocast_dtype else nullcontext()
         with ctx:
             return _loss_of(model(**kwargs)).float()
@@ -252,14 +260,18 @@ class Trainer:
                     counts, totals = self._window_counts(window)
                     for i, batch in enumerate(window):
                         last = i == len(window) - 1
+                        n_all = totals[0].clamp(min=1).float()
                         with self._sync(last):
-                            loss = self._forward(self.wrapped, batch)
-                            # This micro-batch's mean -> its share of the window's token mean; x dp_size
-                            # undoes the averaging of gradients across processes.
-                            weighted = loss * (counts[i, 0].item() * self.dp_size) / totals[0].clamp(min=1)
-                            self._backward(weighted, last, len(window))
-                        acc[0] += loss.detach().double() * counts[i, 0].item()
-                        nonfinite += (~torch.isfinite(loss.detach())).long()
+                            # This micro-batch's share of the window's token mean; x dp_size undoes the
+                            # averaging of gradients across processes.
+                            if self._takes_num_items:
+                                loss = self._forward(self.wrapped, batch, n_all)
+                            else:
+                                loss = self._forward(self.wrapped, batch) * (counts[i, 0].item() / n_all)
+                            self._backward(loss * self.dp_size, last, len(window))
+                        loss_sum = loss.detach().double() * n_all
+                        acc[0] += loss_sum
+                        nonfinite += (~torch.isfinite(loss_sum)).long()
                     grad_norm = self._optimizer_step(params)
                     acc[1:] += totals
                     self.global_step += 1
@@ -408,8 +420,10 @@ class Trainer:
         acc = torch.zeros(2, dtype=torch.float64, device=self.device)
         for batch in loader:
             n = count_label_tokens(batch)
-            acc += torch.stack([self._forward(model, batch).double() * n,
-                                torch.tensor(float(n), dtype=torch.float64, device=self.device)])
+            if n == 0:
+                continue
+            loss = self._forward(model, batch).double() * n
+            acc += torch.stack([loss, torch.tensor(float(n), dtype=torch.float64, device=self.device)])
         if self.dp_size > 1:
             dist.all_reduce(acc, group=self._dp_group())
         model.train(was_training)
