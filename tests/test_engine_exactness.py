@@ -159,3 +159,37 @@ def test_abort_mid_run_frees_every_block(use_async):
     assert engine.requests[ids[3]].output_token_ids == reference("qwen3", tuple(prompts([12, 5, 20, 9])[3]), 30)
     assert engine.block_manager.num_free_blocks == 40
     engine.block_manager.check_invariants()
+
+
+class _ReplayByRerun:
+    """Stands in for a captured CUDA graph on the CPU: replay reruns the forward into the same
+    output buffer, so the fixed-buffer bookkeeping (padding, pad block, block table width,
+    placeholder fill) is exercised exactly as on the GPU."""
+
+    def __init__(self, graphs, b):
+        self.graphs, self.b = graphs, b
+
+    def replay(self):
+        self.graphs.outputs[self.b].copy_(self.graphs._forward(self.b))
+
+
+@pytest.mark.parametrize("use_async", [False, True])
+def test_decode_graph_buffers_give_the_same_tokens(use_async):
+    from cudaformers.engine.cuda_graph import DecodeGraphs
+
+    engine = LLMEngine(model(), num_blocks=48, block_size=4, max_batch_tokens=16, max_num_seqs=6,
+                       use_async_batching=use_async)
+    graphs = DecodeGraphs(engine.runner)
+    for b in graphs.sizes:
+        graphs.outputs[b] = graphs._forward(b).clone()
+        graphs.graphs[b] = _ReplayByRerun(graphs, b)
+    engine.runner.graphs = graphs
+    replays = []
+    original = graphs.replay
+    graphs.replay = lambda b, batch, *a: replays.append((b, len(batch.seqs))) or original(b, batch, *a)
+    ps = prompts([5, 23, 1, 12, 9, 3, 17], seed=9)
+    seqs = run(engine, ps, max_tokens=20)
+    for p, s in zip(ps, seqs):
+        assert s.output_token_ids == reference("qwen3", tuple(p), 20)
+    assert graphs.sizes == [1, 2, 4, 6]
+    assert any(b > n for b, n in replays) and any(b == n for b, n in replays)  # padded and exact buckets

@@ -98,7 +98,9 @@ class ModelRunner:
 
     # -- host -> device ---------------------------------------------------------------------------
     def to_device(self, array: np.ndarray) -> torch.Tensor:
-        t = torch.from_numpy(array)
+        return self._tensor_to_device(torch.from_numpy(array))
+
+    def _tensor_to_device(self, t: torch.Tensor) -> torch.Tensor:
         if self.is_cuda:
             t = t.pin_memory()
         return t.to(self.device, non_blocking=True)
@@ -191,7 +193,7 @@ class ModelRunner:
         generators = [self._generator(s) for s in seqs]
         # Outputs so far (a token still in flight counts): min_tokens is checked against it.
         num_out = [s.num_output_tokens for s in seqs]
-        sb = SamplingBatch.build(params, histories, num_out, generators, self.device)
+        sb = SamplingBatch.build(params, histories, num_out, generators, self._tensor_to_device)
         tokens, logprobs = self.sampler(logits, sb)
         self._last_tokens = tokens
         self._last_rows = {s.seq_id: r for r, s in enumerate(seqs)}

@@ -8,6 +8,7 @@ batched with) and logprobs. Draws are ``argmax(p / q)`` with ``q ~ Exp(1)``: exa
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -29,15 +30,18 @@ class SamplingBatch:
 
     @staticmethod
     def build(params: list[SamplingParams], histories: list[list[int]] | None, num_outputs: list[int],
-              generators: list[torch.Generator | None], device) -> "SamplingBatch":
-        """``histories`` (token ids per row) is read only when some row has a repetition penalty."""
+              generators: list[torch.Generator | None], to_device) -> "SamplingBatch":
+        """``histories`` (token ids per row) is read only when some row has a repetition penalty.
+        ``to_device`` moves a CPU tensor without blocking the host (pinned, non-blocking copy): a
+        blocking copy here would wait for the step in flight and undo async batching."""
         rows = [dict(temperature=p.temperature, top_k=max(p.top_k, 0), top_p=p.top_p, min_p=p.min_p,
                      repetition_penalty=p.repetition_penalty) for p in params]
-        tensors = SamplingTensors.build(rows, device)
+        cpu = SamplingTensors.build(rows, "cpu")
+        tensors = dataclasses.replace(cpu, **{f: to_device(getattr(cpu, f)) for f in _TENSOR_FIELDS})
         history = None
         if tensors.use_penalty:
             width = max(len(h) for h in histories)
-            history = torch.tensor([h + h[:1] * (width - len(h)) for h in histories], dtype=torch.int64).to(device)
+            history = to_device(torch.tensor([h + h[:1] * (width - len(h)) for h in histories], dtype=torch.int64))
         ban_rows, ban_tokens = [], []
         for r, (p, n) in enumerate(zip(params, num_outputs)):
             if n < p.min_tokens:
@@ -47,10 +51,13 @@ class SamplingBatch:
         lp = [p.logprobs for p in params if p.logprobs is not None]
         return SamplingBatch(
             tensors, history,
-            torch.tensor(ban_rows, dtype=torch.int64, device=device) if ban_rows else None,
-            torch.tensor(ban_tokens, dtype=torch.int64, device=device) if ban_rows else None,
+            to_device(torch.tensor(ban_rows, dtype=torch.int64)) if ban_rows else None,
+            to_device(torch.tensor(ban_tokens, dtype=torch.int64)) if ban_rows else None,
             generators if any(g is not None for g in generators) else [],
             max(lp) if lp else -1)
+
+
+_TENSOR_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
 
 
 def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
@@ -76,7 +83,8 @@ class Sampler:
             seen = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, sb.history, True)
             logits = apply_repetition_penalty(logits, seen, st.repetition_penalty)
         if sb.ban_rows is not None:
-            logits = logits.index_put((sb.ban_rows, sb.ban_tokens), logits.new_tensor(float("-inf")))
+            logits = logits.clone()  # may be a CUDA graph's output buffer
+            logits[sb.ban_rows, sb.ban_tokens] = float("-inf")
         tokens = logits.argmax(-1)
         if st.use_sampling:
             sampled = draw(warp(logits, st).softmax(-1), sb.generators)
