@@ -200,6 +200,7 @@ def quantization_config_from(value) -> QuantizationConfig:
                                "FP8Config or a dict with a 'quant_method'")
     data = dict(value)
     method = data.pop("quant_method", None)
+    method = getattr(method, "value", method)  # transformers' QuantizationMethod enum
     cls = _BY_METHOD.get(method)
     if cls is None:
         raise UnsupportedError(f"quant_method={method!r} is not supported; cudaformers loads {sorted(_BY_METHOD)}")

@@ -1,0 +1,201 @@
+"""Quantized models end to end on CPU (the PyTorch reference path): loading with each config, the
+error against the unquantized model, save/load round trips, GPTQ checkpoints written here in the
+GPTQ layout, and the errors a user can meet."""
+
+import json
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from cudaformers import AutoModelForCausalLM, BitsAndBytesConfig, FP8Config, Int4Config, Int8Config
+from cudaformers.errors import UnsupportedError
+from cudaformers.quant.linear import QuantLinear
+from tests import tiny
+
+CONFIGS = {
+    "int8": lambda: Int8Config(),
+    "int4": lambda: Int4Config(group_size=32),
+    "int4_asym": lambda: Int4Config(group_size=32, sym=False),
+    "nf4": lambda: BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4"),
+    "fp4_dq": lambda: BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="fp4",
+                                         bnb_4bit_use_double_quant=True),
+    "bnb8": lambda: BitsAndBytesConfig(load_in_8bit=True),
+}
+# Largest logit error against the fp32 model, as a share of the largest logit: int8 keeps ~1%,
+# 4-bit formats ~15% on this tiny random model (its weights are Gaussian, the worst case for 4 bits).
+BOUNDS = {"int8": 0.02, "bnb8": 0.02, "int4": 0.25, "int4_asym": 0.25, "nf4": 0.25, "fp4_dq": 0.3}
+IDS = torch.randint(3, 200, (2, 11), generator=torch.Generator().manual_seed(0))
+
+
+def _logits(model, ids=IDS):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+@pytest.fixture(scope="module")
+def folder():
+    return tiny.checkpoint("llama_bias")
+
+
+@pytest.fixture(scope="module")
+def reference(folder):
+    return _logits(AutoModelForCausalLM.from_pretrained(folder))
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_quantized_model_is_close_and_round_trips(name, folder, reference, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=CONFIGS[name]())
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert len(layers) == 2 * 7 and not isinstance(model.lm_head, QuantLinear)
+    out = _logits(model)
+    rel = (out - reference).abs().max().item() / reference.abs().max().item()
+    assert 0 < rel <= BOUNDS[name], f"{name}: relative logit error {rel:.3f}"
+    assert "PyTorch reference" in model.explain() and "bytes/weight" in model.explain()
+
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    tensors = load_file(tmp_path / "model.safetensors")
+    assert tensors["model.layers.0.mlp.up_proj.weight"].dtype in (torch.int8, torch.uint8)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=saved)
+    assert torch.equal(_logits(again), out)
+
+
+def test_bytes_per_weight(folder):
+    per_weight = {}
+    for name in ("int8", "int4", "nf4", "fp4_dq"):
+        model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=CONFIGS[name]())
+        layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+        nbytes = sum(p.numel() * p.element_size() for m in layers for n, p in m.named_parameters() if n != "bias")
+        per_weight[name] = nbytes / sum(m.in_features * m.out_features for m in layers)
+    assert per_weight["int8"] == pytest.approx(1.0, abs=0.07)  # + an fp32 scale per row of 64-128
+    assert per_weight["int4"] == pytest.approx(0.5 + 2 / 32, abs=0.01)  # fp16 scale per 32
+    assert per_weight["nf4"] == pytest.approx(0.5 + 4 / 64, abs=0.01)  # fp32 absmax per 64
+    assert per_weight["fp4_dq"] < per_weight["nf4"] - 0.04  # int8 absmax
+
+
+def test_modules_to_not_convert_and_transformers_config(folder):
+    import transformers
+
+    hf_cfg = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                             llm_int8_skip_modules=["lm_head", "down_proj"])
+    model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=hf_cfg)
+    assert isinstance(model.model.layers[0].mlp.up_proj, QuantLinear)
+    assert type(model.model.layers[1].mlp.down_proj) is torch.nn.Linear
+    assert model.model.layers[0].self_attn.q_proj.method == "nf4"
+
+
+def test_compute_dtype(folder):
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype="bfloat16"))
+    assert model.model.layers[0].mlp.up_proj.compute_dtype == torch.bfloat16
+    assert _logits(model).dtype == torch.float32  # activations between layers keep the model dtype
+
+
+def test_fp8_on_cpu_is_an_error_naming_alternatives(folder):
+    with pytest.raises(UnsupportedError, match=r"fp8.*8\.9.*Int8Config or Int4Config"):
+        AutoModelForCausalLM.from_pretrained(folder, quantization_config=FP8Config())
+
+
+def test_fp8_reference_math():
+    from cudaformers.quant.fp8 import fp8_matmul_reference, quantize_fp8_rows
+
+    w = torch.randn(32, 64)
+    q, s = quantize_fp8_rows(w)
+    assert q.dtype == torch.float8_e4m3fn
+    assert ((q.float() * s - w).abs() <= w.abs() * 2 ** -3 + 1e-6).all()  # e4m3: 3 mantissa bits
+    x = torch.randn(5, 64)
+    rel = (fp8_matmul_reference(x, q, s[:, 0]) - x @ w.t()).abs().max() / (x @ w.t()).abs().max()
+    assert rel < 0.05
+
+
+@pytest.mark.parametrize("bad", [dict(load_in_4bit=True, load_in_8bit=True), dict(load_in_4bit=True,
+                                 bnb_4bit_quant_type="int3"), dict()])
+def test_bad_bnb_configs(bad):
+    with pytest.raises(UnsupportedError):
+        BitsAndBytesConfig(**bad)
+
+
+def test_unknown_quant_method_and_requantizing(folder):
+    with pytest.raises(UnsupportedError, match="quant_method='awq-ish'"):
+        AutoModelForCausalLM.from_pretrained(folder, quantization_config={"quant_method": "awq-ish"})
+    from cudaformers.quant.apply import quantize
+
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    quantize(model, Int8Config())
+    with pytest.raises(UnsupportedError, match="already quantized"):
+        quantize(model, Int4Config())
+
+
+def test_quantize_loaded_model_matches_quantize_on_load(folder):
+    from cudaformers.quant.apply import quantize
+
+    on_load = _logits(AutoModelForCausalLM.from_pretrained(folder, quantization_config=Int4Config(group_size=32)))
+    after = quantize(AutoModelForCausalLM.from_pretrained(folder), Int4Config(group_size=32))
+    assert torch.equal(_logits(after), on_load)
+
+
+# -- GPTQ ------------------------------------------------------------------------------------------
+def _gptq_pack_rows(values: torch.Tensor) -> torch.Tensor:
+    """int4 values ``[R, C]`` -> int32 ``[R/8, C]``: eight consecutive rows per int32, row 8i+j at bits 4j."""
+    v = values.to(torch.int64).view(values.shape[0] // 8, 8, values.shape[1])
+    packed = sum(v[:, j] << (4 * j) for j in range(8))
+    return (packed - ((packed >> 31) << 32)).to(torch.int32)  # reinterpret the uint32 bits
+
+
+def write_gptq_checkpoint(src: Path, group: int, sym: bool) -> tuple[Path, dict]:
+    """Quantize every decoder Linear of ``src`` the GPTQ way (round to nearest) and write the GPTQ
+    checkpoint layout; returns the folder and the dequantized weights it stands for."""
+    tensors = load_file(src / "model.safetensors")
+    out, dequantized = {}, {}
+    for name, w in tensors.items():
+        if not (name.startswith("model.layers.") and name.endswith("_proj.weight")):
+            out[name] = w
+            continue
+        n, k = w.shape
+        wg = w.float().t().reshape(k // group, group, n)  # GPTQ works on W.T: [K, N]
+        if sym:
+            scale = wg.abs().amax(1) / 7.5
+            zero = torch.full_like(scale, 8)
+        else:
+            lo, hi = wg.amin(1).clamp(max=0), wg.amax(1).clamp(min=0)
+            scale = (hi - lo) / 15
+            zero = torch.round(-lo / scale)
+        q = (torch.round(wg / scale[:, None]) + zero[:, None]).clamp(0, 15).reshape(k, n)
+        prefix = name.removesuffix(".weight")
+        out[prefix + ".qweight"] = _gptq_pack_rows(q)
+        out[prefix + ".qzeros"] = _gptq_pack_rows((zero - 1).t()).t().contiguous()  # stored minus one
+        out[prefix + ".scales"] = scale.half()
+        out[prefix + ".g_idx"] = (torch.arange(k) // group).to(torch.int32)
+        deq = (q.reshape(k // group, group, n) - zero[:, None]) * scale.half().float()[:, None]
+        dequantized[name] = deq.reshape(k, n).t()
+    folder = Path(tempfile.mkdtemp(prefix="cf-gptq-"))
+    save_file({k: v.contiguous() for k, v in out.items()}, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group, "sym": sym,
+                                     "desc_act": False, "damp_percent": 0.01, "true_sequential": True}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder, dequantized
+
+
+@pytest.mark.parametrize("sym", [True, False], ids=["sym", "asym"])
+def test_gptq_checkpoint_matches_dequantized_reference(sym):
+    src = tiny.checkpoint("llama_mha_untied")
+    folder, dequantized = write_gptq_checkpoint(src, 32, sym)
+    reference = tiny.hf_model(src)
+    with torch.no_grad():
+        for name, w in dequantized.items():
+            reference.get_parameter(name).copy_(w)
+        expected = reference(IDS).logits
+    qc = json.loads((folder / "config.json").read_text())["quantization_config"]
+    model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=qc)
+    assert repr(model._quantization).startswith("GPTQ int4")
+    torch.testing.assert_close(_logits(model), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_gptq_act_order_is_refused():
+    with pytest.raises(UnsupportedError, match="desc_act"):
+        AutoModelForCausalLM.from_pretrained(tiny.checkpoint("llama"), quantization_config={
+            "quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": True})
