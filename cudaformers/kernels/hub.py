@@ -53,6 +53,14 @@ def _moe_experts(self, hidden, top_k_index, top_k_weights):
     return moe_experts(hidden, self.gate_up_proj, self.down_proj, top_k_index, top_k_weights, self.act)
 
 
+def _moe_router(self, hidden):
+    import torch.nn.functional as F
+
+    from .moe import route
+
+    return route(F.linear(hidden, self.weight), self.top_k, self.renormalize)
+
+
 def _selective_scan(self, *args, **kwargs):
     from .mamba import selective_scan
 
@@ -72,6 +80,7 @@ class LayerType:
     kernels: dict                 # kernel name -> forward to bind (None: installed on the model itself)
     about: str
     default_modes: tuple = MODES  # modes in which CUDA gets the kernel by default
+    has_backward: bool = True     # False: the kernels are forward-only, never used in training
 
 
 def _is(cls_path: str, **attrs):
@@ -99,6 +108,8 @@ LAYER_TYPES = {t.name: t for t in [
     LayerType("ForCausalLMLoss", lambda m: hasattr(m, "fused_loss") and hasattr(m, "lm_head"),
               {"cudaformers:fused_linear_cross_entropy": None},
               "lm_head + cross-entropy without the full logits", default_modes=("training",)),
+    LayerType("MoeRouter", _tagged("MoeRouter"), {"cudaformers:topk_softmax": _moe_router},
+              "MoE softmax + top-k routing (forward only)", default_modes=("inference",), has_backward=False),
     LayerType("MoeExperts", _tagged("MoeExperts"), {"cudaformers:grouped_gemm": _moe_experts},
               "MoE experts as one grouped GEMM over all experts"),
     LayerType("selective_scan_fn", _tagged("selective_scan_fn"), {"cudaformers:selective_scan": _selective_scan},
@@ -176,6 +187,9 @@ def resolve(layer: str, device_type: str, mode: str, config: KernelConfig | None
         name = value[0] if isinstance(value, tuple) else value
         if not name:
             return "", "mapped to '' (plain PyTorch)"
+        if mode == "training" and not lt.has_backward:
+            raise UnsupportedError(f"kernel_mapping[{layer!r}] = {name!r} in training: that kernel has no backward; "
+                                   f"map {layer} to {{'{device_type}': {{'inference': {name!r}, 'training': ''}}}}")
         if device_type != "cuda" and not _interpreting():
             raise UnsupportedError(f"kernel_mapping[{layer!r}] asks for the Triton kernel {name!r} on {device_type}; "
                                    "Triton kernels need a CUDA GPU. Map this device to '' for plain PyTorch, load "

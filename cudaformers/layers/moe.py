@@ -131,3 +131,15 @@ class SparseMoeBlock(nn.Module):
         if self.weights_in_hidden_dtype:
             weights = weights.to(hidden.dtype)
         return self.experts(hidden, index, weights)
+
+
+def per_expert_state_dict(model) -> dict:
+    """``model.state_dict()`` with every stacked expert tensor written as Hugging Face's per-expert
+    matrices, the layout transformers (any version) and other tools read."""
+    state = model.state_dict()
+    for name, module in model.named_modules():
+        if isinstance(module, MoeExperts):
+            state.pop(f"{name}.gate_up_proj")
+            state.pop(f"{name}.down_proj")
+            state.update(module.checkpoint_tensors(f"{name}."))
+    return state

@@ -11,9 +11,11 @@ _ARCHITECTURES = {
     "MistralForCausalLM": "cudaformers.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "cudaformers.models.llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "cudaformers.models.llama:LlamaForCausalLM",
+    "Qwen3MoeForCausalLM": "cudaformers.models.qwen3_moe:Qwen3MoeForCausalLM",
+    "MixtralForCausalLM": "cudaformers.models.mixtral:MixtralForCausalLM",
 }
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                "qwen3": "Qwen3ForCausalLM"}
+                "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
 
 
 def register_architecture(name: str, target: str, model_type: str | None = None) -> None:
