@@ -105,6 +105,7 @@ class BlockManager:
         for bid in hits:
             self._take(bid)
         seq.block_table = list(hits)
+        seq.num_cached_blocks = len(hits)
         seq.num_computed_tokens = len(hits) * self.block_size
         seq.num_prefix_hit_tokens = seq.num_computed_tokens
         self.num_hit_tokens += seq.num_computed_tokens
@@ -133,15 +134,14 @@ class BlockManager:
         self.update_hashes(seq)
         bs = self.block_size
         full = min(len(seq.block_hashes), seq.num_computed_tokens // bs, len(seq.block_table))
-        for i in range(full):
+        # Blocks before num_cached_blocks were filed (or were hits) already: each step looks at new ones only.
+        for i in range(seq.num_cached_blocks, full):
             block = self.blocks[seq.block_table[i]]
-            if block.hash is not None:
-                continue
             h = seq.block_hashes[i]
-            if h in self.cached:  # computed twice concurrently: keep the first copy cached
-                continue
-            block.hash, block.token_ids = h, tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            self.cached[h] = block.block_id
+            if block.hash is None and h not in self.cached:  # a concurrent duplicate stays unfiled
+                block.hash, block.token_ids = h, tuple(seq.token_ids[i * bs:(i + 1) * bs])
+                self.cached[h] = block.block_id
+        seq.num_cached_blocks = max(seq.num_cached_blocks, full)
 
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks (finished, cancelled or preempted)."""
@@ -156,6 +156,7 @@ class BlockManager:
                     self._free.move_to_end(bid, last=False)
         seq.block_table = []
         seq.num_computed_tokens = 0
+        seq.num_cached_blocks = 0
 
     def _take(self, bid: int) -> None:
         block = self.blocks[bid]

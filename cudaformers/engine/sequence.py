@@ -49,6 +49,7 @@ class Sequence:
         self.num_prefix_hit_tokens = 0  # tokens served from the prefix cache on the last admission
         # Chained hashes of the full blocks of token_ids, computed as blocks fill (prefix cache keys).
         self.block_hashes: list[int] = []
+        self.num_cached_blocks = 0  # leading blocks of block_table already filed in the prefix cache
         self.logprobs: list[dict[int, float]] = []  # per output token, when params.logprobs is set
         self.text = ""  # detokenized output, kept only when stop strings need it
         self.arrival_time = time.monotonic()
