@@ -1,0 +1,124 @@
+"""Quantization on a real GPU: the compiled Triton kernels against the reference at model sizes, the
+fp8 path, quantized models end to end (CUDA-graph decode included) and a QLoRA step in bf16."""
+
+import pytest
+import torch
+
+from cudaformers import AutoModelForCausalLM, BitsAndBytesConfig, FP8Config, Int4Config, Int8Config, LoraConfig
+from cudaformers import get_peft_model
+from cudaformers.kernels import quant_matmul as qm
+from cudaformers.quant.fp8 import FP8Linear, fp8_matmul_reference
+from tests import tiny
+
+pytestmark = pytest.mark.gpu
+FORMATS = ["int8", "int4_sym", "int4_asym", "nf4", "fp4_dq"]
+
+
+def _packed(fmt, w, group=128):
+    # Not imported from tests/test_quant_kernels.py: that module switches Triton to the interpreter.
+    from cudaformers.quant.int4 import quantize_int4
+    from cudaformers.quant.int8 import quantize_int8
+    from cudaformers.quant.nf4 import CODES, double_quantize, quantize_4bit
+
+    k = w.shape[1]
+    if fmt == "int8":
+        return qm.PackedWeight("int8", *quantize_int8(w), k)
+    if fmt.startswith("int4"):
+        q, s, z = quantize_int4(w, group, sym=fmt == "int4_sym")
+        return qm.PackedWeight("int4", q, s, k, group, zeros=z)
+    q, absmax = quantize_4bit(w, fmt[:3])
+    code = torch.tensor(CODES[fmt[:3]], device=w.device)
+    if fmt.endswith("_dq"):
+        q2, s2, offset = double_quantize(absmax)
+        return qm.PackedWeight("lut4", q, q2, k, 64, code=code, scales2=s2, offset=float(offset))
+    return qm.PackedWeight("lut4", q, absmax, k, 64, code=code)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m", [1, 5, 16, 64, 300])
+@pytest.mark.parametrize("nk", [(4096, 4096), (1024, 4096), (4096, 12288), (1000, 1030)], ids=str)
+def test_kernels_match_reference_at_model_sizes(nk, m, fmt, dtype):
+    n, k = nk
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = _packed(fmt, torch.randn(n, k, device="cuda", generator=g) * 0.02)
+    x = torch.randn(m, k, device="cuda", generator=g).to(dtype)
+    out = qm.quant_matmul_triton(x, w)
+    ref32 = qm.quant_matmul_reference(x.float(), w)
+    ref_lp = qm.quant_matmul_reference(x, w).float()
+    bound = 2 * (ref_lp - ref32).abs().max().item() + torch.finfo(dtype).eps * ref32.abs().max().item() + 1e-3
+    assert (out.float() - ref32).abs().max().item() <= bound
+
+
+def test_kernel_in_cuda_graph():
+    w = _packed("int4_sym", torch.randn(512, 1024, device="cuda"))
+    x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
+    qm.quant_matmul_triton(x, w)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = qm.quant_matmul_triton(x, w)
+    x.copy_(torch.randn_like(x))
+    expected = qm.quant_matmul_triton(x, w)
+    graph.replay()
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("m", [1, 7, 64])
+def test_fp8_linear_matches_reference(m):
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.fail("fp8 needs compute capability 8.9+; run this file on an Ada/Hopper/Blackwell GPU")
+    layer = FP8Linear(1024, 512, False, torch.bfloat16).cuda()
+    layer.quantize_(torch.randn(512, 1024, device="cuda") * 0.02)
+    x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
+    ref = fp8_matmul_reference(x.float(), layer.weight, layer.weight_scale)
+    out = layer(x).float()
+    assert ((out - ref).abs().max() / ref.abs().max()).item() < 2e-2
+
+
+CONFIGS = {"int8": Int8Config, "int4": lambda: Int4Config(group_size=32),
+           "nf4": lambda: BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                             bnb_4bit_use_double_quant=True),
+           "fp8": FP8Config}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_quantized_model_on_gpu_matches_cpu_reference_path(name):
+    folder = tiny.checkpoint("qwen3")
+    ids = torch.randint(3, 200, (2, 13), generator=torch.Generator().manual_seed(0))
+    gpu = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, device_map="cuda",
+                                               quantization_config=CONFIGS[name]())
+    assert "cuda" in gpu.explain() and "PyTorch reference" not in gpu.explain()
+    with torch.no_grad():
+        out = gpu(ids.cuda()).logits.cpu()
+    if name == "fp8":
+        plain = AutoModelForCausalLM.from_pretrained(folder)
+        with torch.no_grad():
+            ref = plain(ids).logits
+        assert ((out - ref).abs().max() / ref.abs().max()).item() < 0.1
+    else:
+        cpu = AutoModelForCausalLM.from_pretrained(folder, quantization_config=CONFIGS[name]())
+        with torch.no_grad():
+            ref = cpu(ids).logits
+        torch.testing.assert_close(out, ref, atol=2e-4, rtol=2e-4)
+    gen = gpu.generate(ids[:1].cuda(), max_new_tokens=8, do_sample=False)
+    eager = gpu.generate(ids[:1].cuda(), max_new_tokens=8, do_sample=False, use_cuda_graph=False)
+    assert torch.equal(gen, eager)
+
+
+def test_qlora_step_bf16():
+    folder = tiny.checkpoint("qwen3")
+    base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, device_map="cuda", quantization_config=(
+        BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype="bfloat16")))
+    base.gradient_checkpointing_enable()
+    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ids = torch.randint(3, 200, (4, 32), generator=torch.Generator().manual_seed(0)).cuda()
+    losses = []
+    for _ in range(20):
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < 0.85 * losses[0], losses
