@@ -3,7 +3,8 @@
 On CUDA the runner runs the largest step it will ever schedule (``max_batch_tokens`` prefill
 tokens, logits and a full-vocabulary sort for ``max_num_seqs`` rows) and records the activation
 peak; the cache gets ``max_memory_percent`` of the free memory minus that peak. On the CPU there
-is nothing to measure against, so the cache gets a fixed budget (logged; pass ``num_blocks``).
+is nothing to measure against, so the cache gets a fixed budget, at most what ``max_num_seqs``
+full-length sequences need (logged; pass ``num_blocks``).
 """
 
 from __future__ import annotations
@@ -54,8 +55,10 @@ def plan_num_blocks(runner, shape, max_memory_percent: float) -> int:
     per_block = KVCache.bytes_per_block(*shape)
     min_blocks = -(-runner.max_batch_tokens // runner.block_size) + 1
     if runner.device.type != "cuda":
-        n = max(min_blocks, CPU_CACHE_BYTES // per_block)
-        logger.info("KV cache on %s: %d blocks (%d MiB, a fixed default; pass num_blocks= to change it)",
+        # No more than every running sequence at full context could use.
+        most = runner.max_num_seqs * -(-runner.max_model_len // runner.block_size)
+        n = max(min_blocks, min(most, CPU_CACHE_BYTES // per_block))
+        logger.info("KV cache on %s: %d blocks (%d MiB, the CPU default; pass num_blocks= to change it)",
                     runner.device.type, n, n * per_block // 2**20)
         return n
     peak = profile_peak_activation_bytes(runner)
