@@ -105,3 +105,23 @@ def test_tensor_parallel_qwen3_matches_single_process(tmp_path):
     want = qwen3_curve(str(tmp_path / "single"))
     got = run_processes(qwen3_curve, 2, tmp_path, outdir=str(tmp_path / "tp"), tp_size=2)[0]
     _close(got, want, 1e-4)
+
+
+def qwen3_logits(ids):
+    import tiny
+    from cudaformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny.checkpoint("qwen3"), dtype=torch.float32, tp_plan="auto")
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor(ids)).logits
+    return {"logits": out.tolist(), "tp_size": getattr(model, "tp_size", None),
+            "heads": model.model.layers[0].self_attn.num_heads}
+
+
+def test_tp_plan_auto_inference_matches_single_process(tmp_path):
+    ids = [[5, 9, 33, 100, 7, 2], [1, 2, 3, 4, 5, 6]]
+    want = torch.tensor(qwen3_logits(ids)["logits"])
+    got = run_processes(qwen3_logits, 2, tmp_path, ids=ids)
+    for r in got:
+        assert r["tp_size"] == 2 and r["heads"] == 2
+        torch.testing.assert_close(torch.tensor(r["logits"]), want, rtol=1e-4, atol=1e-4)

@@ -121,6 +121,7 @@ def apply_tp(model: nn.Module, mesh, plan: dict[str, str] | None = None) -> nn.M
                     if isinstance(getattr(module, attr, None), int):
                         setattr(module, attr, getattr(module, attr) // tp)
         hooked += _reduce_partial_grads(block, plan, mesh.get_group())
+    model.tp_size = tp  # caches hold num_key_value_heads // tp_size heads per process
     logger.info("tensor parallel: %d-way over %d blocks (%d replicated weights in sharded regions)",
                 tp, len(find_blocks(model)), hooked)
     return model
@@ -130,3 +131,30 @@ def is_dtensor(t: torch.Tensor) -> bool:
     from torch.distributed.tensor import DTensor
 
     return isinstance(t, DTensor)
+
+
+def apply_tp_plan(model: nn.Module, tp_plan="auto") -> nn.Module:
+    """``from_pretrained(..., tp_plan="auto")`` under torchrun: split the model over all processes.
+
+    ``tp_plan`` is "auto" (the family's plan) or a dict like ``DENSE_PLAN``. Each process must hold
+    the whole model on its own GPU (``device_map`` = its local rank) before the split. Sets
+    ``model.tp_size`` so caches can be sized for the heads each process owns
+    (``num_key_value_heads // tp_size``).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from .init import init_distributed
+
+    if tp_plan != "auto" and not isinstance(tp_plan, dict):
+        raise UnsupportedError(f"tp_plan={tp_plan!r}; use 'auto' or a dict of module path -> 'colwise'/'rowwise'")
+    state = init_distributed()
+    if state.world_size == 1:
+        logger.warning("tp_plan=%r in a single process: nothing to split; launch with "
+                       "`torchrun --nproc_per_node=N` to spread the model over N GPUs", tp_plan)
+        return model
+    devices = {p.device for p in model.parameters()}
+    if devices != {state.device}:
+        raise UnsupportedError(f"tensor parallelism needs the whole model on this process's device {state.device} "
+                               f"first, found {sorted(map(str, devices))}; load with device_map={str(state.device)!r}")
+    mesh = init_device_mesh(state.device.type, (state.world_size,), mesh_dim_names=("tp",))
+    return apply_tp(model, mesh, None if tp_plan == "auto" else tp_plan)

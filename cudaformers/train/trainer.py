@@ -86,10 +86,12 @@ class Trainer:
             raise UnsupportedError(f"eval_strategy={args.eval_strategy!r} needs an eval_dataset")
         self.model = model
         self.flat = args.packing
-        if self.flat and not {"batch", "positions"} <= set(inspect.signature(model.forward).parameters):
+        # A wrapper (LoRA) passes its arguments through: the wrapped model's signature is what counts.
+        inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+        params = inspect.signature(inner.forward).parameters
+        if self.flat and not {"batch", "positions"} <= set(params):
             raise UnsupportedError(f"packing=True needs a model whose forward takes (input_ids, positions, batch, "
                                    f"labels) — cudaformers models do; {type(model).__name__} does not")
-        params = inspect.signature(model.forward).parameters
         # Models that take num_items_in_batch (cudaformers', transformers') return sum / num_items:
         # exact token weighting with no 0/0 on a micro-batch without targets. Others return a mean.
         self._takes_num_items = "num_items_in_batch" in params
@@ -502,10 +504,15 @@ class Trainer:
         from ..distributed.init import barrier
 
         folder = output_dir or self.args.output_dir
-        state = self._full_state_dict()  # a collective when the model is sharded
+        if not self._sharded and self._ds is None and hasattr(self.model, "save_pretrained"):
+            if self.dist.is_main:  # the model's own format (a LoRA model writes its adapters)
+                self.model.save_pretrained(folder)
+        else:
+            state = self._full_state_dict()  # a collective when the model is sharded
+            if self.dist.is_main:
+                ckpt.save_safetensors(state, folder)
+                self._save_config(folder)
         if self.dist.is_main:
-            ckpt.save_safetensors(state, folder)
-            self._save_config(folder)
             if self.tokenizer is not None and hasattr(self.tokenizer, "save_pretrained"):
                 self.tokenizer.save_pretrained(folder)
         barrier()
