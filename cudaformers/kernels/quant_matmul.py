@@ -2,7 +2,8 @@
 
 Weight formats (``PackedWeight.fmt``), W is ``[N, K]`` (out, in):
 
-* ``int8``: ``qweight int8 [N, K]``, one fp32 scale per output row: ``w = q * s[n]``.
+* ``int8``: ``qweight int8 [N, K4]`` (K rounded up to 4, zero padded), one fp32 scale per output
+  row: ``w = q * s[n]``.
 * ``int4``: ``qweight uint8 [N, Kp / 2]`` with ``Kp`` = K rounded up to the group size G; per group
   ``scales [N, Kp / G]`` and optional float ``zeros`` (none: symmetric, zero point 8):
   ``w = (q - z) * s``.
@@ -84,7 +85,7 @@ def group_scales(w: PackedWeight) -> torch.Tensor:
 def dequantize(w: PackedWeight, dtype=torch.float32) -> torch.Tensor:
     """The ``[N, K]`` weight the packed data stands for."""
     if w.fmt == "int8":
-        return (w.qweight.float() * w.scales.float()[:, None]).to(dtype)
+        return (w.qweight[:, : w.in_features].float() * w.scales.float()[:, None]).to(dtype)
     codes = unpack_4bit(w.qweight, w.group_size)
     n, kp = codes.shape
     if w.fmt == "lut4":
@@ -104,32 +105,40 @@ def quant_matmul_reference(x: torch.Tensor, w: PackedWeight, bias=None) -> torch
 # ---------------------------------------------------------------------------------------------------
 # Triton kernels
 # ---------------------------------------------------------------------------------------------------
+# Integer -> float conversion is a slow instruction (a quarter of the FMA rate); a small integer v
+# placed in the mantissa of 2**23 converts with one OR and one subtraction instead. Without it, the
+# 4-bit kernels would be bound by conversions, not by memory.
+MAGIC: tl.constexpr = 0x4B000000  # the bits of 2.0 ** 23
+
+
 @triton.jit
-def _group_codes(q_ptr, s_ptr, z_ptr, code_ptr, s2_ptr, offset, rows, g, n_groups, ld_q, N,
-                 FMT: tl.constexpr, HALF: tl.constexpr, HAS_ZEROS: tl.constexpr, DOUBLE: tl.constexpr):
-    """Group ``g`` of rows ``rows``: unscaled values of both halves ``[BLOCK_N, HALF]`` and scales."""
-    cols = tl.arange(0, HALF)
+def _small_int_to_f32(v):
+    """int32 ``v`` in [0, 2**23) -> ``v + 2**23`` as fp32 (exact); subtract 2**23 (plus any zero point)."""
+    return (v | MAGIC).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _group_scales(s_ptr, z_ptr, s2_ptr, offset, rows, g, n_groups, N, HAS_ZEROS: tl.constexpr,
+                  DOUBLE: tl.constexpr):
+    """Scales ``[BLOCK_N]`` of group ``g`` and what to subtract from ``_small_int_to_f32`` codes."""
     mask_n = rows < N
-    b = tl.load(q_ptr + rows[:, None] * ld_q + g * HALF + cols[None, :], mask=mask_n[:, None], other=0)
-    b = b.to(tl.int32)
-    lo, hi = b & 15, (b >> 4) & 15
     sidx = rows * n_groups + g
+    s = tl.load(s_ptr + sidx, mask=mask_n, other=0).to(tl.float32)
     if DOUBLE:
-        s = tl.load(s_ptr + sidx, mask=mask_n, other=0).to(tl.float32)
         s = s * tl.load(s2_ptr + sidx // 256, mask=mask_n, other=0) + offset
+    if HAS_ZEROS:
+        bias = tl.load(z_ptr + sidx, mask=mask_n, other=0).to(tl.float32) + 8388608.0
     else:
-        s = tl.load(s_ptr + sidx, mask=mask_n, other=0).to(tl.float32)
+        bias = tl.full([rows.shape[0]], 8388616.0, tl.float32)  # 2**23 + 8: symmetric zero point
+    return s, bias
+
+
+@triton.jit
+def _codes_to_f32(c, code_ptr, bias, FMT: tl.constexpr):
+    """4-bit codes (int32) -> unscaled values: ``code[c]`` (lut4) or ``c - zero`` (int4)."""
     if FMT == 2:
-        lo_v = tl.load(code_ptr + lo)
-        hi_v = tl.load(code_ptr + hi)
-    else:
-        if HAS_ZEROS:
-            z = tl.load(z_ptr + sidx, mask=mask_n, other=0).to(tl.float32)[:, None]
-        else:
-            z = 8.0
-        lo_v = lo.to(tl.float32) - z
-        hi_v = hi.to(tl.float32) - z
-    return lo_v, hi_v, s
+        return tl.load(code_ptr + c)
+    return _small_int_to_f32(c) - bias[:, None]
 
 
 @triton.jit
@@ -137,35 +146,63 @@ def _gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, code_ptr, s2_ptr, offset, out_ptr, 
                  groups_per_split, FMT: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, HAS_ZEROS: tl.constexpr, DOUBLE: tl.constexpr,
                  SPLIT: tl.constexpr):
-    """One row of x; program (n block, k split) adds its partial dot products to fp32 ``out [N]``."""
+    """One row of x; program (n block, k split) adds its partial dot products to fp32 ``out [N]``.
+
+    Weights are read as int32 words (``q_ptr`` is the packed tensor viewed as int32, ``ld_q`` in
+    words): 16-byte vector loads, and 4 bytes unpacked per register. Byte j of word w in a group is
+    element 4w + j (low nibble) and G/2 + 4w + j (high nibble); for int8 it is element 4w + j.
+    Products accumulate elementwise in ``[BLOCK_N, words]`` and are reduced across lanes only once.
+    """
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    if FMT == 0:  # int8: groups_per_split counts BLOCK_K tiles; the row scale comes at the end
-        cols = tl.arange(0, BLOCK_K)
-        last = tl.minimum((pid_k + 1) * groups_per_split, n_groups)
+    mask_n = rows < N
+    last = tl.minimum((pid_k + 1) * groups_per_split, n_groups)
+    if FMT == 0:  # int8: steps of BLOCK_K columns; the row scale comes at the end
+        WORDS: tl.constexpr = BLOCK_K // 4
+        w_idx = tl.arange(0, WORDS)
+        acc = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
         for t in range(pid_k * groups_per_split, last):
-            k = t * BLOCK_K + cols
-            xk = tl.load(x_ptr + k, mask=k < K, other=0).to(tl.float32)
-            q = tl.load(q_ptr + rows[:, None] * ld_q + k[None, :], mask=(rows[:, None] < N) & (k[None, :] < K),
-                        other=0)
-            acc += tl.sum(q.to(tl.float32) * xk[None, :], axis=1)
-        acc *= tl.load(s_ptr + rows, mask=rows < N, other=0)
+            words = tl.load(q_ptr + rows[:, None] * ld_q + t * WORDS + w_idx[None, :],
+                            mask=mask_n[:, None] & (t * BLOCK_K + 4 * w_idx[None, :] < K), other=0)
+            for j in tl.static_range(4):
+                k = t * BLOCK_K + 4 * w_idx + j
+                xk = tl.load(x_ptr + k, mask=k < K, other=0).to(tl.float32)
+                u = ((words >> (8 * j)) & 255) ^ 128  # two's complement byte + 128, in [0, 255]
+                acc += (_small_int_to_f32(u) - 8388736.0) * xk[None, :]
+        out = tl.sum(acc, axis=1) * tl.load(s_ptr + rows, mask=mask_n, other=0)
     else:
+        WORDS: tl.constexpr = GROUP // 8
         HALF: tl.constexpr = GROUP // 2
-        cols = tl.arange(0, HALF)
-        last = tl.minimum((pid_k + 1) * groups_per_split, n_groups)
+        w_idx = tl.arange(0, WORDS)
+        acc = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
         for g in range(pid_k * groups_per_split, last):
-            k_lo = g * GROUP + cols
-            x_lo = tl.load(x_ptr + k_lo, mask=k_lo < K, other=0).to(tl.float32)
-            x_hi = tl.load(x_ptr + k_lo + HALF, mask=k_lo + HALF < K, other=0).to(tl.float32)
-            lo, hi, s = _group_codes(q_ptr, s_ptr, z_ptr, code_ptr, s2_ptr, offset, rows, g, n_groups, ld_q, N,
-                                     FMT, HALF, HAS_ZEROS, DOUBLE)
-            acc += tl.sum(lo * x_lo[None, :] + hi * x_hi[None, :], axis=1) * s
+            words = tl.load(q_ptr + rows[:, None] * ld_q + g * WORDS + w_idx[None, :], mask=mask_n[:, None], other=0)
+            s, bias = _group_scales(s_ptr, z_ptr, s2_ptr, offset, rows, g, n_groups, N, HAS_ZEROS, DOUBLE)
+            part = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
+            for j in tl.static_range(4):
+                k = g * GROUP + 4 * w_idx + j
+                x_lo = tl.load(x_ptr + k, mask=k < K, other=0).to(tl.float32)
+                x_hi = tl.load(x_ptr + k + HALF, mask=k + HALF < K, other=0).to(tl.float32)
+                lo = _codes_to_f32((words >> (8 * j)) & 15, code_ptr, bias, FMT)
+                hi = _codes_to_f32((words >> (8 * j + 4)) & 15, code_ptr, bias, FMT)
+                part += lo * x_lo[None, :] + hi * x_hi[None, :]
+            acc += part * s[:, None]
+        out = tl.sum(acc, axis=1)
     if SPLIT == 1:
-        tl.store(out_ptr + rows, acc, mask=rows < N)
+        tl.store(out_ptr + rows, out, mask=mask_n)
     else:
-        tl.atomic_add(out_ptr + rows, acc, mask=rows < N, sem="relaxed")
+        tl.atomic_add(out_ptr + rows, out, mask=mask_n, sem="relaxed")
+
+
+@triton.jit
+def _group_codes(q_ptr, s_ptr, z_ptr, code_ptr, s2_ptr, offset, rows, g, n_groups, ld_q, N,
+                 FMT: tl.constexpr, HALF: tl.constexpr, HAS_ZEROS: tl.constexpr, DOUBLE: tl.constexpr):
+    """Group ``g`` of rows ``rows`` from the byte view: unscaled ``[BLOCK_N, HALF]`` halves and scales."""
+    cols = tl.arange(0, HALF)
+    b = tl.load(q_ptr + rows[:, None] * ld_q + g * HALF + cols[None, :], mask=(rows < N)[:, None], other=0)
+    b = b.to(tl.int32)
+    s, bias = _group_scales(s_ptr, z_ptr, s2_ptr, offset, rows, g, n_groups, N, HAS_ZEROS, DOUBLE)
+    return _codes_to_f32(b & 15, code_ptr, bias, FMT), _codes_to_f32((b >> 4) & 15, code_ptr, bias, FMT), s
 
 
 @triton.jit
@@ -198,7 +235,7 @@ def _gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, code_ptr, s2_ptr, offset, out_ptr, 
             xt = tl.load(x_ptr + rm[:, None] * ld_x + k[None, :], mask=mask_m[:, None] & (k[None, :] < K), other=0)
             q = tl.load(q_ptr + rows[:, None] * ld_q + k[None, :], mask=(rows[:, None] < N) & (k[None, :] < K),
                         other=0)
-            acc += _dot(xt, tl.trans(q.to(tl.float32).to(dt)), UPCAST)
+            acc += _dot(xt, tl.trans((_small_int_to_f32(q.to(tl.int32) + 128) - 8388736.0).to(dt)), UPCAST)
         acc *= tl.load(s_ptr + rows, mask=rows < N, other=0)[None, :]
     else:
         HALF: tl.constexpr = GROUP // 2
@@ -260,7 +297,8 @@ def quant_matmul_triton(x: torch.Tensor, w: PackedWeight, bias=None) -> torch.Te
         tiles, steps = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
         split, per = _split(tiles, steps, x.device)
         out = (torch.zeros if split > 1 else torch.empty)(1, n, device=x.device, dtype=torch.float32)
-        _gemv_kernel[(tiles, split)](x, *args, out, n, k, steps, w.qweight.stride(0), per, BLOCK_N=block_n,
+        words = w.qweight.view(torch.int32)  # rows of the packed tensor are whole words (see _gemv_kernel)
+        _gemv_kernel[(tiles, split)](x, words, *args[1:], out, n, k, steps, words.stride(0), per, BLOCK_N=block_n,
                                      BLOCK_K=block_k, SPLIT=split, **flags, num_warps=4)
     else:
         block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
