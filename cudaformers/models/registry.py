@@ -13,9 +13,11 @@ _ARCHITECTURES = {
     "Qwen3ForCausalLM": "cudaformers.models.llama:LlamaForCausalLM",
     "Qwen3MoeForCausalLM": "cudaformers.models.qwen3_moe:Qwen3MoeForCausalLM",
     "MixtralForCausalLM": "cudaformers.models.mixtral:MixtralForCausalLM",
+    "MambaForCausalLM": "cudaformers.models.mamba:MambaForCausalLM",
 }
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+                "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+                "mamba": "MambaForCausalLM"}
 
 
 def register_architecture(name: str, target: str, model_type: str | None = None) -> None:
