@@ -82,7 +82,7 @@ def prepare_model_for_quantization(model: nn.Module, quantization_config) -> Qua
 def quantize(model: nn.Module, quantization_config) -> nn.Module:
     """Quantize a loaded model in place (its Linear weights are read, then dropped); returns it."""
     prepare_model_for_quantization(model, quantization_config)
-    _on_mode_change(model, model.training)
+    _on_mode_change(model, False)  # the explain() line; training is checked when train() is called
     return model
 
 
