@@ -10,12 +10,14 @@ import importlib
 import os
 import sys
 
-os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are defined: triton.jit reads it then
-if "cudaformers.kernels.quant_matmul" in sys.modules:  # imported earlier without the interpreter
-    importlib.reload(sys.modules["cudaformers.kernels.quant_matmul"])
+import torch
+
+if not torch.cuda.is_available():  # interpret the kernels on CPU; set before triton.jit reads it
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    if "cudaformers.kernels.quant_matmul" in sys.modules:  # imported earlier without the interpreter
+        importlib.reload(sys.modules["cudaformers.kernels.quant_matmul"])
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 from cudaformers.kernels import quant_matmul as qm  # noqa: E402
 from cudaformers.quant.int4 import quantize_int4  # noqa: E402
