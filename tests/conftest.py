@@ -4,6 +4,9 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Without a GPU, Triton kernels run in Triton's interpreter (small shapes only).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 

@@ -56,6 +56,7 @@ def _pack_cached_kv(cache, batch) -> torch.Tensor:
 
 
 class FlashAttnBackend(AttentionBackend):
+    graph_safe = True
     caps = Capabilities(devices=frozenset({"cuda"}), dtypes=frozenset({torch.float16, torch.bfloat16}))
 
     def __init__(self, version: int):

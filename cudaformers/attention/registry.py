@@ -38,6 +38,9 @@ class Capabilities:
 class AttentionBackend:
     name: str = ""
     caps = Capabilities()
+    # True when a decode step through ``with_cache`` makes no host reads and keeps fixed shapes, so
+    # it can be captured in a CUDA graph.
+    graph_safe: bool = False
 
     def available(self) -> str | None:
         """None when usable in this process, else why not (a missing package, no GPU...)."""

@@ -43,6 +43,7 @@ def _scatter_rows(flat, cu, max_len):
 
 class SdpaAttention(AttentionBackend):
     name = "sdpa"
+    graph_safe = True
 
     def _run(self, q, k, v, mask, scale, is_causal=False):
         groups = q.shape[1] // k.shape[1]

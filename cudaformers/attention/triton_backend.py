@@ -28,6 +28,7 @@ def _interpreting() -> bool:
 
 class TritonAttention(AttentionBackend):
     name = "triton"
+    graph_safe = True
     # Set when this instance stands in for a flash-attn package that is not installed.
     resolved_from: str | None = None
 
