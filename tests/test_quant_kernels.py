@@ -107,7 +107,7 @@ def test_backward_through_quantized_layer(fmt, dtype):
 
 
 def test_pack_unpack_round_trip():
-    codes = torch.randint(0, 16, (5, 256), dtype=torch.uint8)
+    codes = torch.randint(0, 16, (5, 256), dtype=torch.uint8, generator=torch.Generator().manual_seed(7))
     for group in (32, 64, 128):
         packed_ = qm.pack_4bit(codes, group)
         assert packed_.shape == (5, 128)
@@ -117,7 +117,7 @@ def test_pack_unpack_round_trip():
 
 
 def test_int8_error_is_half_a_step():
-    w = torch.randn(33, 77)
+    w = torch.randn(33, 77, generator=torch.Generator().manual_seed(4))
     q, s = quantize_int8(w)
     assert q.shape == (33, 80) and not q[:, 77:].any()  # padded to whole int32 words
     assert (q[:, :77].float() * s[:, None] - w).abs().le(s[:, None] / 2 + 1e-6).all()
@@ -125,25 +125,26 @@ def test_int8_error_is_half_a_step():
 
 @pytest.mark.parametrize("sym", [True, False])
 def test_int4_error_is_half_a_step(sym):
-    w = torch.randn(9, 200)  # K padded to 256: the padding must not leak into the result
+    w = torch.randn(9, 200, generator=torch.Generator().manual_seed(3))  # K padded to 256: no leaks
     q, s, z = quantize_int4(w, 64, sym)
     deq = qm.dequantize(qm.PackedWeight("int4", q, s, 200, 64, zeros=z))
     step = s.float().repeat_interleave(64, 1)[:, :200]
     assert deq.shape == w.shape
-    assert (deq - w).abs().le(step / 2 + 1e-3 * step).all()
+    # Half a step, plus what the fp16 rounding of the scale does at the ends of the range (15 codes).
+    assert (deq - w).abs().le(step / 2 + 15 * 2 ** -11 * step).all()
 
 
 @pytest.mark.parametrize("code", [NF4_CODE, FP4_CODE], ids=["nf4", "fp4"])
 def test_lut_codes_are_nearest(code):
     code = torch.tensor(code)
-    x = torch.rand(1000) * 2 - 1
+    x = torch.rand(1000, generator=torch.Generator().manual_seed(5)) * 2 - 1
     idx = nearest_code(x, code)
     best = (x[:, None] - code[None, :]).abs().min(1).values
     assert torch.allclose((x - code[idx]).abs(), best)
 
 
 def test_double_quantization_keeps_absmax_close():
-    absmax = torch.rand(37, 11) + 0.5
+    absmax = torch.rand(37, 11, generator=torch.Generator().manual_seed(6)) + 0.5
     q2, s2, offset = double_quantize(absmax)
     w = qm.PackedWeight("lut4", torch.zeros(37, 11 * 32, dtype=torch.uint8), q2, 11 * 64, 64, scales2=s2,
                         offset=float(offset))

@@ -22,13 +22,14 @@ def quantize_int4(weight: torch.Tensor, group: int, sym: bool = True):
     """``[N, K]`` float -> (``uint8 [N, Kp/2]``, ``fp16 scales [N, Kp/G]``, fp16 zeros or None)."""
     n, k = weight.shape
     w = torch.nn.functional.pad(weight.float(), (0, padded(k, group) - k)).view(n, -1, group)
+    # Scales are stored in fp16: round them first, so the codes are the best ones for the stored scale.
     if sym:
-        scale = w.abs().amax(-1).clamp_min(1e-8) / 7.0
+        scale = (w.abs().amax(-1).clamp_min(1e-8) / 7.0).half().float()
         q = torch.round(w / scale[..., None]).clamp_(-8, 7) + 8
         zeros = None
     else:
         lo, hi = w.amin(-1).clamp(max=0), w.amax(-1).clamp(min=0)
-        scale = ((hi - lo) / 15.0).clamp_min(1e-8)
+        scale = ((hi - lo) / 15.0).clamp_min(1e-8).half().float()
         zeros = torch.round(-lo / scale).clamp_(0, 15)
         q = (torch.round(w / scale[..., None]) + zeros[..., None]).clamp_(0, 15)
         zeros = zeros.half()
