@@ -38,7 +38,8 @@ class PretrainedConfig:
             setattr(self, key, value)
         if getattr(self, "num_key_value_heads", None) is None and hasattr(self, "num_attention_heads"):
             self.num_key_value_heads = self.num_attention_heads
-        if getattr(self, "head_dim", None) is None and hasattr(self, "hidden_size"):
+        if getattr(self, "head_dim", None) is None and hasattr(self, "hidden_size") \
+                and hasattr(self, "num_attention_heads"):
             self.head_dim = self.hidden_size // self.num_attention_heads
 
     # -- construction -----------------------------------------------------------------------------

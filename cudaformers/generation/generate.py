@@ -20,7 +20,7 @@ logger = logging.getLogger("cudaformers")
 SYNC_EVERY = 16
 
 
-def _resolve_config(model, generation_config, kwargs) -> GenerationConfig:
+def resolve_config(model, generation_config, kwargs) -> GenerationConfig:
     gen = (generation_config or model.generation_config or GenerationConfig()).copy()
     known = set(GenerationConfig().to_dict())
     unknown = sorted(k for k in kwargs if k not in known)
@@ -31,7 +31,7 @@ def _resolve_config(model, generation_config, kwargs) -> GenerationConfig:
     return gen
 
 
-def _rows(input_ids, attention_mask, pad_token_id, eos_ids):
+def prompt_rows(input_ids, attention_mask, pad_token_id, eos_ids):
     """The prompts as token-id tensors without padding."""
     if attention_mask is None:
         if pad_token_id is not None and pad_token_id not in eos_ids and (input_ids == pad_token_id).any():
@@ -44,7 +44,7 @@ def _rows(input_ids, attention_mask, pad_token_id, eos_ids):
 
 def generate(model, input_ids, attention_mask=None, generation_config=None, streamer=None, tokenizer=None,
              use_cuda_graph: bool | None = None, **kwargs):
-    gen = _resolve_config(model, generation_config, kwargs)
+    gen = resolve_config(model, generation_config, kwargs)
     if input_ids is None:
         raise ValueError("generate() needs input_ids (tokenize the prompt first)")
     input_ids = input_ids.to(model.device)
@@ -52,7 +52,7 @@ def generate(model, input_ids, attention_mask=None, generation_config=None, stre
         input_ids = input_ids[None]
     eos_ids = gen.eos_token_ids
     pad = gen.pad_token_id if gen.pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
-    rows = _rows(input_ids, attention_mask, gen.pad_token_id, eos_ids)
+    rows = prompt_rows(input_ids, attention_mask, gen.pad_token_id, eos_ids)
     if any(len(r) == 0 for r in rows):
         raise ValueError("generate() got an empty prompt row; every row needs at least one token")
     n_ret = gen.num_return_sequences
@@ -78,7 +78,7 @@ def generate(model, input_ids, attention_mask=None, generation_config=None, stre
     dev = model.device
     n = len(rows)
     runner = get_runner(model, n, max(lens) + max_new, use_cuda_graph)
-    st = SamplingTensors.build([_sampling_row(gen)] * n, dev)
+    st = SamplingTensors.build([sampling_row(gen)] * n, dev)
     seen = None
     if st.use_penalty:
         seen = torch.zeros(n, model.config.vocab_size, dtype=torch.bool, device=dev)
@@ -129,7 +129,7 @@ def generate(model, input_ids, attention_mask=None, generation_config=None, stre
     return torch.cat([input_ids, out[:, :keep]], dim=1)
 
 
-def _sampling_row(gen: GenerationConfig) -> dict:
+def sampling_row(gen: GenerationConfig) -> dict:
     if not gen.do_sample:
         return dict(temperature=0.0, repetition_penalty=gen.repetition_penalty)
     return dict(temperature=gen.temperature if gen.temperature is not None else 1.0, top_k=gen.top_k,

@@ -135,6 +135,12 @@ def _load_tensors(model, tensors) -> None:
     for name, tensor, file in tensors:
         module_name, _, attr = name.rpartition(".")
         module = modules.get(module_name)
+        # A tensor below a module that loads its whole subtree (stacked MoE experts reading
+        # per-expert tensors) goes to that module with the rest of its name.
+        while module is None and "." in module_name:
+            module_name, _, head = module_name.rpartition(".")
+            attr = f"{head}.{attr}"
+            module = modules.get(module_name)
         loader = getattr(module, "load_checkpoint_tensor", None)
         if loader is not None:  # layers that pack/quantize their weights load them themselves
             loader(attr, tensor)

@@ -210,10 +210,10 @@ class MambaForCausalLM(PreTrainedModel):
 def generate_recurrent(model, input_ids, attention_mask=None, generation_config=None, streamer=None, **kwargs):
     """``generate()`` for recurrent models (``model.prefill`` / ``model.decode``): same arguments,
     left-padding handling, sampling and stop rules as the attention models' generate()."""
-    from ..generation.generate import _resolve_config, _rows, _sampling_row
+    from ..generation.generate import prompt_rows, resolve_config, sampling_row
     from ..generation.logits import SamplingTensors, sample
 
-    gen = _resolve_config(model, generation_config, kwargs)
+    gen = resolve_config(model, generation_config, kwargs)
     if input_ids is None:
         raise ValueError("generate() needs input_ids (tokenize the prompt first)")
     if gen.stop_strings:
@@ -225,7 +225,7 @@ def generate_recurrent(model, input_ids, attention_mask=None, generation_config=
         input_ids = input_ids[None]
     eos_ids = gen.eos_token_ids
     pad = gen.pad_token_id if gen.pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
-    rows = _rows(input_ids, attention_mask, gen.pad_token_id, eos_ids)
+    rows = prompt_rows(input_ids, attention_mask, gen.pad_token_id, eos_ids)
     if any(len(r) == 0 for r in rows):
         raise ValueError("generate() got an empty prompt row; every row needs at least one token")
     if streamer is not None and len(rows) > 1:
@@ -234,7 +234,7 @@ def generate_recurrent(model, input_ids, attention_mask=None, generation_config=
     if max_new <= 0:
         return input_ids
     n, dev = len(rows), model.device
-    st = SamplingTensors.build([_sampling_row(gen)] * n, dev)
+    st = SamplingTensors.build([sampling_row(gen)] * n, dev)
     seen = None
     if st.use_penalty:
         seen = torch.zeros(n, model.config.vocab_size, dtype=torch.bool, device=dev)
