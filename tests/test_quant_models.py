@@ -61,6 +61,8 @@ def test_quantized_model_is_close_and_round_trips(name, folder, reference, tmp_p
     assert tensors["model.layers.0.mlp.up_proj.weight"].dtype in (torch.int8, torch.uint8)
     again = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=saved)
     assert torch.equal(_logits(again), out)
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path)  # the stored quantization_config applies itself
+    assert torch.equal(_logits(plain), out)
 
 
 def test_bytes_per_weight(folder):

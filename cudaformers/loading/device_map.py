@@ -31,7 +31,9 @@ def placement_units(model: nn.Module) -> list[str]:
 
 
 def _unit_bytes(model: nn.Module, prefix: str, element_size: int) -> int:
-    return sum(p.numel() for p in model.get_submodule(prefix).parameters()) * element_size
+    # Packed (quantized) parameters keep their own element size; float ones take the model dtype's.
+    return sum(p.numel() * (element_size if p.is_floating_point() else p.element_size())
+               for p in model.get_submodule(prefix).parameters())
 
 
 def _parse_bytes(v) -> int:

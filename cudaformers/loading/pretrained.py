@@ -65,6 +65,8 @@ def load_pretrained(path_or_repo_id, *, model_class=None, dtype="auto", torch_dt
         if not hasattr(config, key):
             raise TypeError(f"from_pretrained got an unknown argument {key!r} (not a config field either)")
         setattr(config, key, value)
+    if quantization_config is None and getattr(config, "quantization_config", None):
+        quantization_config = config.quantization_config  # a saved quantized checkpoint
     cls = model_class or model_class_for(config)
     dtype = resolve_dtype(dtype, config) if not gguf_file or dtype != "auto" else torch.float32
     config.torch_dtype = str(dtype).removeprefix("torch.")
@@ -97,8 +99,6 @@ def load_pretrained(path_or_repo_id, *, model_class=None, dtype="auto", torch_dt
     model.generation_config = GenerationConfig.from_model_folder(folder, config)
     model.eval()
     model.set_attn_implementation(attn_implementation or "sdpa")
-    if quantization_config is not None:
-        model._choices["quantization"] = repr(quantization_config)
     if use_kernels or kernel_config is not None:
         from ..kernels.hub import kernelize
 
