@@ -1,0 +1,39 @@
+"""The user guides' code examples run: every ```python block of a guide, in order, in a fresh
+interpreter. Blocks fenced ```python gpu run only in the GPU suite."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+FENCE = re.compile(r"^```python(?P<tag>[ \t]+gpu)?[ \t]*\n(?P<code>.*?)^```[ \t]*$", re.S | re.M)
+GUIDES = sorted(DOCS.glob("*.md"))
+
+
+def blocks(path: Path, gpu: bool) -> list[str]:
+    return [m["code"] for m in FENCE.finditer(path.read_text()) if bool(m["tag"]) == gpu]
+
+
+def run_blocks(code_blocks: list[str], tmp_path) -> None:
+    script = "\n\n".join(code_blocks)
+    out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, f"stdout:\n{out.stdout[-3000:]}\nstderr:\n{out.stderr[-5000:]}"
+
+
+def test_guides_exist_in_reading_order():
+    names = [p.name for p in GUIDES]
+    assert names == sorted(names) and len(names) >= 10, names
+
+
+@pytest.mark.parametrize("guide", [p for p in GUIDES if blocks(p, gpu=False)], ids=lambda p: p.stem)
+def test_guide_examples_run_on_cpu(guide, tmp_path):
+    run_blocks(blocks(guide, gpu=False), tmp_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("guide", [p for p in GUIDES if blocks(p, gpu=True)], ids=lambda p: p.stem)
+def test_guide_gpu_examples(guide, tmp_path):
+    run_blocks(blocks(guide, gpu=False) + blocks(guide, gpu=True), tmp_path)
