@@ -38,12 +38,15 @@ class Attention(nn.Module):
         self.rotary = ApplyRotary()
         self.backend = None  # set by PreTrainedModel.set_attn_implementation
 
+    def project_qkv(self, hidden: torch.Tensor):
+        """q, k, v projections ``[T, N*D]``; one fused matmul when a transform packed the weights."""
+        return self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
+
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch) -> torch.Tensor:
         t, d = hidden.shape[0], self.head_dim
+        q, k, v = self.project_qkv(hidden)
         # -1 head counts: under tensor parallelism each rank holds a slice of the heads.
-        q = self.q_proj(hidden).view(t, -1, d)
-        k = self.k_proj(hidden).view(t, -1, d)
-        v = self.v_proj(hidden).view(t, -1, d)
+        q, k, v = q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(q, k, cos, sin)

@@ -30,5 +30,9 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.act_fn = GatedActivation(hidden_act)
 
+    def project_gate_up(self, x):
+        """gate and up projections; one fused matmul when a transform packed the weights."""
+        return self.gate_proj(x), self.up_proj(x)
+
     def forward(self, x):
-        return self.down_proj(self.act_fn(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(self.act_fn(*self.project_gate_up(x)))

@@ -89,6 +89,9 @@ def load_pretrained(path_or_repo_id, *, model_class=None, dtype="auto", torch_dt
         ((n, t, f) for n, t, f in iter_safetensors(checkpoint_files(folder)))
     _load_tensors(model, tensors)
     model.tie_weights()
+    from ..kernels.fused_projections import fuse_projections
+
+    fuse_projections(model)  # fewer, larger matmuls in inference; names and training unaffected
     dm.install_device_hooks(model, placement)
     model.hf_device_map = {k: str(v) for k, v in placement.items()}
     model.name_or_path = str(path_or_repo_id)
