@@ -48,10 +48,11 @@ class LiveServer:
 
     NAME = "tiny"
 
-    def __init__(self, *, tokenizer: bool = True, api_key=None, max_queue=16, **engine):
+    def __init__(self, *, tokenizer: bool = True, api_key=None, max_queue=16, model=None, **engine):
         from cudaformers.engine.server import make_server, make_state
 
-        model, tok = model_and_tokenizer()
+        default_model, tok = model_and_tokenizer()
+        model = model if model is not None else default_model
         self.state = make_state(model, tok if tokenizer else None, served_model_name=self.NAME, api_key=api_key,
                                 max_queue=max_queue, **{**ENGINE, **engine})
         self.server = make_server(self.state, log_level="warning")

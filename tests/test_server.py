@@ -370,3 +370,35 @@ def test_cli_serve_without_tokenizer_then_sigterm_drains(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_staggered_streams_join_the_batch_with_async_batching():
+    """Requests arriving while others run join the batch; with async batching (a token still on the
+    device at each step) every stream still gets exactly generate()'s tokens, and nothing leaks."""
+    import asyncio
+
+    prompts = [[5, 9, 13, 21, 8], list(range(300, 340)), [777], list(range(1000, 1013)), [42, 43]]
+
+    async def one(url, p, delay):
+        await asyncio.sleep(delay)
+        ids, reasons = [], []
+        async with httpx.AsyncClient(timeout=60) as c:
+            body = dict(model=NAME, prompt=p, max_tokens=24, temperature=0, ignore_eos=True, stream=True,
+                        return_token_ids=True)
+            async with c.stream("POST", url + "/v1/completions", json=body) as resp:
+                async for line in resp.aiter_lines():
+                    if line.startswith("data: {"):
+                        choice = json.loads(line[6:])["choices"][0]
+                        ids += choice["token_ids"]
+                        reasons.append(choice["finish_reason"])
+        return ids, reasons[-1]
+
+    async def all_of(url):
+        return await asyncio.gather(*(one(url, p, 0.02 * i) for i, p in enumerate(prompts)))
+
+    with LiveServer(use_async_batching=True, max_batch_tokens=16) as s:
+        assert s.state.engine.engine.use_async_batching
+        got = asyncio.run(all_of(s.url))
+        assert [g[0] for g in got] == [greedy(p, 24) for p in prompts]
+        assert {g[1] for g in got} == {"length"}
+        s.wait_idle()

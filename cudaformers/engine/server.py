@@ -16,6 +16,7 @@ import ipaddress
 import logging
 import os
 import signal
+import sys
 
 from ..errors import CudaformersError
 from .openai_protocol import ModelInfo
@@ -24,6 +25,7 @@ logger = logging.getLogger("cudaformers")
 
 INSTALL_HINT = "pip install 'cudaformers[serve]'"
 DEFAULT_MAX_QUEUE = 1024
+SWITCH_INTERVAL_S = 0.0005
 
 
 def require_web_stack() -> None:
@@ -154,6 +156,9 @@ def run(args) -> int:
                        max_memory_percent=args.max_memory_percent, enable_prefix_caching=not args.no_prefix_caching,
                        use_cuda_graph=False if args.no_cuda_graph else None)
     server = make_server(state, args.host, args.port, args.log_level)
+    # The engine thread and the event loop share the GIL; Python's default 5 ms switch interval
+    # can hold a step back by that much whenever the loop is busy writing streams.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     logger.info("cudaformers serve: %s on http://%s:%d (Ctrl-C drains and stops)", name, args.host, args.port)
     server.run()
     return 0 if not server.force_exit else 128 + signal.SIGINT
