@@ -402,3 +402,21 @@ def test_staggered_streams_join_the_batch_with_async_batching():
         assert [g[0] for g in got] == [greedy(p, 24) for p in prompts]
         assert {g[1] for g in got} == {"length"}
         s.wait_idle()
+
+
+def test_chat_template_kwargs_cannot_change_the_call(server):
+    msgs = [{"role": "user", "content": "hi"}]
+    r = httpx.post(server.url + "/v1/chat/completions",
+                   json=dict(model=NAME, messages=msgs, chat_template_kwargs={"tokenize": False}))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
+    r = httpx.post(server.url + "/v1/chat/completions", json=dict(model=NAME, messages=msgs, max_tokens=2,
+                                                                  chat_template_kwargs={"enable_thinking": False}))
+    assert r.status_code == 200, r.text
+
+
+def test_oversized_body_gets_413(server):
+    from cudaformers.engine import server_app
+
+    r = httpx.post(server.url + "/v1/completions", content=b"{" + b" " * (server_app.MAX_BODY_BYTES + 1) + b"}",
+                   headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 413 and "limit" in r.json()["error"]["message"]

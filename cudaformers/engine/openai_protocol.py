@@ -29,6 +29,9 @@ COMPLETION_FIELDS = _INERT | _SAMPLING | {"prompt", "echo", "best_of", "suffix"}
 CHAT_FIELDS = _INERT | _SAMPLING | {"messages", "max_completion_tokens", "top_logprobs", "response_format",
                                     "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs"}
 ROLES = {"system", "developer", "user", "assistant", "tool"}
+_TEMPLATE_CALL_ARGS = {"messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+                       "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+                       "return_tensors", "return_dict"}
 
 
 class APIError(Exception):
@@ -70,6 +73,8 @@ class GenerationRequest:
 
 # -- typed fields -----------------------------------------------------------------------------------
 def _json_type(v) -> str:
+    if v is None:
+        return "null"
     return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
             dict: "an object"}.get(type(v), type(v).__name__)
 
@@ -177,6 +182,10 @@ def chat_prompt(body: dict, info: ModelInfo) -> list[int]:
         role = "system" if m["role"] == "developer" else m["role"]
         conv.append({"role": role, "content": _message_text(m, i)})
     kwargs = _field(body, "chat_template_kwargs", (dict,), {}, "an object")
+    clash = sorted(set(kwargs) & _TEMPLATE_CALL_ARGS)
+    if clash:  # these would change what apply_chat_template returns, not what the template sees
+        raise invalid("chat_template_kwargs", f"'chat_template_kwargs' may not set {clash}; it passes "
+                                              "variables to the template (e.g. enable_thinking)")
     try:
         ids = info.tokenizer.apply_chat_template(conv, add_generation_prompt=True, **kwargs)
     except CudaformersError as e:  # e.g. no chat template

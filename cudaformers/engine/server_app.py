@@ -53,7 +53,10 @@ async def _until_disconnect(receive) -> None:
 
 
 async def _read_json(request: Request):
-    size = int(request.headers.get("content-length") or 0)
+    declared = request.headers.get("content-length") or "0"
+    if not declared.isdigit():
+        raise APIError(400, f"the Content-Length header {declared!r} is not a number")
+    size = int(declared)
     if size > MAX_BODY_BYTES:
         raise APIError(413, f"the request body has {size} bytes; the limit is {MAX_BODY_BYTES}")
     body = bytearray()
