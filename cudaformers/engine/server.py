@@ -113,36 +113,33 @@ def add_arguments(parser) -> None:
 
 
 def _load(args):
+    """Model and tokenizer as `generate` loads them; the model alone with --skip-tokenizer-init."""
     from ..generation.cli import load
 
     if not args.skip_tokenizer_init:
         return load(args.model, args)
-    from ..models.auto import AutoModelForCausalLM
-
-    if args.model is None or args.model.endswith(".gguf"):
-        raise CudaformersError("--skip-tokenizer-init needs a model folder or Hub id (GGUF files carry a tokenizer)")
-    device_map = args.device_map or ("cuda" if _cuda() else "cpu")
-    dtype = args.dtype
-    if dtype == "auto" and device_map.startswith("cuda"):
-        from ..device import supports_bf16
-
-        import torch
-        dtype = torch.bfloat16 if supports_bf16(torch.device(device_map)) else torch.float16
-    return AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, device_map=device_map,
-                                                attn_implementation=args.attn), None
-
-
-def _cuda() -> bool:
     import torch
 
-    return torch.cuda.is_available()
+    from ..device import default_device, supports_bf16
+    from ..models.auto import AutoModelForCausalLM
+
+    if args.model is None or args.model.endswith(".gguf") or args.gguf_file:
+        raise CudaformersError("--skip-tokenizer-init needs a safetensors model folder or Hub id "
+                               "(a GGUF file carries its tokenizer: serve it with one)")
+    device = torch.device(args.device_map or str(default_device()))
+    dtype = args.dtype
+    if dtype == "auto" and device.type == "cuda":
+        dtype = torch.bfloat16 if supports_bf16(device) else torch.float16
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, device_map=str(device),
+                                                 attn_implementation=args.attn)
+    return model, None
 
 
 def run(args) -> int:
     require_web_stack()
-    logging.basicConfig(level=logging.INFO if args.verbose or args.log_level == "debug" else logging.WARNING,
-                        format="%(asctime)s %(name)s: %(message)s")
-    logging.getLogger("cudaformers").setLevel(logging.INFO)
+    level = logging.INFO if args.verbose else getattr(logging, args.log_level.upper())
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("cudaformers").setLevel(level)  # automatic choices are logged at INFO
     if args.port < 0 or args.port > 65535:
         raise CudaformersError(f"--port {args.port} is not a port; use 0-65535")
     if not _is_loopback(args.host) and not args.api_key:
