@@ -77,3 +77,22 @@ def test_flce_rejects_out_of_range_targets():
     targets[1] = 10
     with pytest.raises(RuntimeError, match="outside"):
         fused_linear_cross_entropy(hidden, weight, targets)
+
+
+def test_flce_under_autocast_with_fp32_residual_stream():
+    # Autocast training: fp32 hidden (embeddings + residual adds) and fp32 master weights, matmuls in bf16.
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(40, 32, generator=g, requires_grad=True)
+    w = torch.randn(100, 32, generator=g, requires_grad=True)
+    t = torch.randint(0, 100, (40,), generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = fused_linear_cross_entropy(h, w, t)
+    loss.backward()
+    h2, w2 = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = torch.nn.functional.cross_entropy((h2 @ w2.t()).float(), t)
+    ref.backward()
+    assert h.grad.dtype == torch.float32 and w.grad.dtype == torch.float32
+    torch.testing.assert_close(loss, ref, atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(h.grad, h2.grad, atol=5e-3, rtol=5e-2)
+    torch.testing.assert_close(w.grad, w2.grad, atol=5e-3, rtol=5e-2)

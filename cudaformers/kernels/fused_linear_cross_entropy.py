@@ -100,8 +100,16 @@ def _scale(targets, num_items_in_batch, ignore_index):
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, scale, ignore_index, chunk):
-        loss, grad_h, grad_w = _flce(hidden, weight, targets, scale, ignore_index, ctx.needs_input_grad[0],
-                                     ctx.needs_input_grad[1], chunk)
+        # Under autocast the residual stream is often fp32 while matmuls run in the autocast dtype:
+        # compute in that dtype explicitly (autocast off inside, so out= buffers keep their dtypes)
+        # and hand the hidden gradient back in the hidden's own dtype.
+        device_type = hidden.device.type
+        compute = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
+        with torch.autocast(device_type, enabled=False):
+            loss, grad_h, grad_w = _flce(hidden.to(compute), weight, targets, scale, ignore_index,
+                                         ctx.needs_input_grad[0], ctx.needs_input_grad[1], chunk)
+        if grad_h is not None:
+            grad_h = grad_h.to(hidden.dtype)
         ctx.save_for_backward(grad_h, grad_w)
         ctx.weight_dtype = weight.dtype
         return loss.sum() * scale[0]
