@@ -48,12 +48,13 @@ class LiveServer:
 
     NAME = "tiny"
 
-    def __init__(self, *, tokenizer: bool = True, api_key=None, max_queue=16, model=None, **engine):
+    def __init__(self, *, model=None, tokenizer=None, api_key=None, max_queue=16, **engine):
+        """Without ``model``: the tiny model and tokenizer above, on the CPU."""
         from cudaformers.engine.server import make_server, make_state
 
-        default_model, tok = model_and_tokenizer()
-        model = model if model is not None else default_model
-        self.state = make_state(model, tok if tokenizer else None, served_model_name=self.NAME, api_key=api_key,
+        if model is None:
+            model, tokenizer = model_and_tokenizer()
+        self.state = make_state(model, tokenizer, served_model_name=self.NAME, api_key=api_key,
                                 max_queue=max_queue, **{**ENGINE, **engine})
         self.server = make_server(self.state, log_level="warning")
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
