@@ -12,7 +12,7 @@ def test_loaded_models_are_packed_and_match_transformers():
     folder = tiny.checkpoint("qwen2")  # qkv biases packed too
     model = AutoModelForCausalLM.from_pretrained(folder)
     attn = model.model.layers[0].self_attn
-    assert attn._qkv_weight.data_ptr() == attn.q_proj.weight.data_ptr()
+    assert attn.packed_qkv.weight.data_ptr() == attn.q_proj.weight.data_ptr()
     assert "packed" in model.explain()
     ids = torch.randint(3, 211, (2, 18))
     with torch.no_grad():
@@ -29,7 +29,7 @@ def test_training_uses_separate_parameters_and_updates_the_packed_copy():
     with torch.no_grad():
         attn.v_proj.weight.add_(1.0)  # an optimizer step writes through the view
     n_q, n_k = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0]
-    assert torch.equal(attn._qkv_weight[n_q + n_k:], attn.v_proj.weight)
+    assert torch.equal(attn.packed_qkv.weight[n_q + n_k:], attn.v_proj.weight)
 
 
 def test_lora_adapters_are_not_bypassed():
@@ -52,4 +52,19 @@ def test_packing_twice_is_harmless():
     with torch.no_grad():
         before = model(ids).logits
         fuse_projections(model)
+        torch.testing.assert_close(model(ids).logits, before)
+
+
+def test_unpack_restores_separate_storage():
+    from cudaformers.kernels.fused_projections import unpack_projections
+
+    model = AutoModelForCausalLM.from_pretrained(tiny.checkpoint("qwen2"))
+    ids = torch.randint(3, 211, (1, 9))
+    with torch.no_grad():
+        before = model(ids).logits
+    assert unpack_projections(model) == 4
+    attn = model.model.layers[0].self_attn
+    assert not hasattr(attn, "packed_qkv") and attn.q_proj.weight.data_ptr() != attn.k_proj.weight.data_ptr()
+    assert "projections" not in model.explain()
+    with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, before)

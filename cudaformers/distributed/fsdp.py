@@ -43,6 +43,10 @@ def apply_fsdp(model: nn.Module, mesh, *, options: list[str] | None = None, para
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+    from ..kernels.fused_projections import unpack_projections
+
+    unpack_projections(model)  # sharding replaces the parameters; the packed copy would stay whole
+
     options = options or ["full_shard"]
     reshard = "shard_grad_op" not in options
     kwargs = {"mesh": mesh, "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)}

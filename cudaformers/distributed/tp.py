@@ -99,6 +99,9 @@ def apply_tp(model: nn.Module, mesh, plan: dict[str, str] | None = None) -> nn.M
     ``"tp"`` dimension) in place, per ``plan`` (default: the family's plan)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
+    from ..kernels.fused_projections import unpack_projections
+
+    unpack_projections(model)  # sharding replaces the parameters; the packed copy would stay whole
     if mesh.mesh_dim_names and "tp" in mesh.mesh_dim_names and mesh.ndim > 1:
         mesh = mesh["tp"]
     tp = mesh.size()

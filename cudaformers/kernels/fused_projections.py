@@ -19,60 +19,95 @@ from ..layers.attention import Attention
 from ..layers.mlp import GatedMLP
 
 
+class PackedLinear(nn.Module):
+    """The packed matrix of several projections. Its tensors are non-persistent buffers: the
+    checkpoint names stay on the original Linear layers, whose parameters are views of these."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int]):
+        super().__init__()
+        self.register_buffer("weight", weight, persistent=False)
+        self.register_buffer("bias", bias, persistent=False)
+        self.sizes = sizes
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"sizes={self.sizes}"
+
+
 def _pack(owner: nn.Module, linears: list[nn.Linear], name: str) -> bool:
-    if not all(type(m) is nn.Linear for m in linears):
+    if not all(type(m) is nn.Linear for m in linears) or hasattr(owner, name):
         return False
     weights = [m.weight for m in linears]
     if len({(w.device, w.dtype) for w in weights}) != 1 or weights[0].device.type == "meta":
         return False
     packed = torch.cat([w.detach() for w in weights])
-    sizes, start = [], 0
-    for m in linears:
-        n = m.weight.shape[0]
+    sizes = [w.shape[0] for w in weights]
+    bias = None if linears[0].bias is None else torch.cat([m.bias.detach() for m in linears])
+    start = 0
+    for m, n in zip(linears, sizes):
         m.weight = nn.Parameter(packed[start:start + n], requires_grad=m.weight.requires_grad)
-        sizes.append(n)
-        start += n
-    bias = None
-    if linears[0].bias is not None:
-        bias = torch.cat([m.bias.detach() for m in linears])
-        start = 0
-        for m, n in zip(linears, sizes):
+        if bias is not None:
             m.bias = nn.Parameter(bias[start:start + n], requires_grad=m.bias.requires_grad)
-            start += n
-    owner.register_buffer(f"_{name}_weight", packed, persistent=False)
-    owner.register_buffer(f"_{name}_bias", bias, persistent=False)
-    setattr(owner, f"_{name}_sizes", sizes)
+        start += n
+    setattr(owner, name, PackedLinear(packed, bias, sizes))
     return True
 
 
-def _usable(owner: nn.Module, name: str, first: nn.Module) -> bool:
-    packed = getattr(owner, f"_{name}_weight", None)
-    return (packed is not None and not owner.training and not torch.is_grad_enabled() and type(first) is nn.Linear
-            and first.weight.data_ptr() == packed.data_ptr())
+def _usable(packed: PackedLinear, first: nn.Module) -> bool:
+    # Only while the separate weights are still views of the packed matrix (not replaced, wrapped
+    # by adapters, quantized or sharded) and no gradient is wanted.
+    return (not packed.training and not torch.is_grad_enabled() and type(first) is nn.Linear
+            and first.weight.data_ptr() == packed.weight.data_ptr())
 
 
 def _qkv(self: Attention, hidden):
-    if not _usable(self, "qkv", self.q_proj):
+    if not _usable(self.packed_qkv, self.q_proj):
         return Attention.project_qkv(self, hidden)
-    return F.linear(hidden, self._qkv_weight, self._qkv_bias).split(self._qkv_sizes, dim=-1)
+    return self.packed_qkv(hidden).split(self.packed_qkv.sizes, dim=-1)
 
 
 def _gate_up(self: GatedMLP, x):
-    if not _usable(self, "gate_up", self.gate_proj):
+    if not _usable(self.packed_gate_up, self.gate_proj):
         return GatedMLP.project_gate_up(self, x)
-    return F.linear(x, self._gate_up_weight, self._gate_up_bias).split(self._gate_up_sizes, dim=-1)
+    return self.packed_gate_up(x).split(self.packed_gate_up.sizes, dim=-1)
 
 
 def fuse_projections(model: nn.Module) -> int:
     """Packs every attention and gated MLP of ``model``; returns how many modules were packed."""
     count = 0
     for module in model.modules():
-        if isinstance(module, Attention) and _pack(module, [module.q_proj, module.k_proj, module.v_proj], "qkv"):
+        if isinstance(module, Attention) and _pack(module, [module.q_proj, module.k_proj, module.v_proj],
+                                                   "packed_qkv"):
             module.project_qkv = types.MethodType(_qkv, module)
             count += 1
-        elif isinstance(module, GatedMLP) and _pack(module, [module.gate_proj, module.up_proj], "gate_up"):
+        elif isinstance(module, GatedMLP) and _pack(module, [module.gate_proj, module.up_proj], "packed_gate_up"):
             module.project_gate_up = types.MethodType(_gate_up, module)
             count += 1
     if hasattr(model, "_choices") and count:
         model._choices["projections"] = f"q/k/v and gate/up packed into single matmuls ({count} modules)"
+    return count
+
+
+def unpack_projections(model: nn.Module) -> int:
+    """Undoes ``fuse_projections``: each projection gets its own storage again. Needed before a
+    transform replaces the parameters (FSDP, tensor parallelism, DeepSpeed), which would otherwise
+    leave the packed matrix holding a second, full copy of the weights."""
+    count = 0
+    for module in model.modules():
+        for name, linears, method in (("packed_qkv", ("q_proj", "k_proj", "v_proj"), "project_qkv"),
+                                      ("packed_gate_up", ("gate_proj", "up_proj"), "project_gate_up")):
+            if not isinstance(getattr(module, name, None), PackedLinear):
+                continue
+            for attr in linears:
+                lin = getattr(module, attr)
+                lin.weight = nn.Parameter(lin.weight.detach().clone(), requires_grad=lin.weight.requires_grad)
+                if lin.bias is not None:
+                    lin.bias = nn.Parameter(lin.bias.detach().clone(), requires_grad=lin.bias.requires_grad)
+            delattr(module, name)
+            module.__dict__.pop(method, None)
+            count += 1
+    if count and hasattr(model, "_choices"):
+        model._choices.pop("projections", None)
     return count

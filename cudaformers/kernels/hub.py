@@ -47,6 +47,20 @@ def _act_and_mul(self, gate, up):
     return act_and_mul(gate, up, self.name)
 
 
+def _linear(self, x):
+    from .gemv import linear
+
+    return linear(x, self.weight, self.bias)
+
+
+def _is_plain_linear(module) -> bool:
+    import torch.nn as nn
+
+    from .fused_projections import PackedLinear
+
+    return type(module) in (nn.Linear, PackedLinear)  # not quantized, adapter or sharded layers
+
+
 def _moe_experts(self, hidden, top_k_index, top_k_weights):
     from .moe import moe_experts
 
@@ -105,6 +119,9 @@ LAYER_TYPES = {t.name: t for t in [
               {"cudaformers:act_and_mul": _act_and_mul}, "silu(gate) * up"),
     LayerType("GeluAndMul", _is("cudaformers.layers.mlp.GatedActivation", name=_GELU),
               {"cudaformers:act_and_mul": _act_and_mul}, "gelu(gate) * up (tanh or erf)"),
+    LayerType("Linear", _is_plain_linear, {"cudaformers:gemv": _linear},
+              "decode-sized matmuls (<= 4 rows) as a weight-streaming GEMV; larger ones stay on cuBLAS",
+              default_modes=("inference",)),
     LayerType("ForCausalLMLoss", lambda m: hasattr(m, "fused_loss") and hasattr(m, "lm_head"),
               {"cudaformers:fused_linear_cross_entropy": None},
               "lm_head + cross-entropy without the full logits", default_modes=("training",)),
