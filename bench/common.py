@@ -91,7 +91,7 @@ def random_checkpoint(shape: str, folder: Path | None = None) -> Path:
     """Seeded random bf16 weights in the shape of a real model, saved by transformers."""
     import transformers
 
-    folder = folder or Path(tempfile.mkdtemp(prefix=f"bench-{shape}-"))
+    folder = folder or Path(tempfile.gettempdir()) / f"bench-{shape}"  # shared by all bench scripts
     if (folder / "config.json").exists():
         return folder
     config = transformers.Qwen3Config(**SHAPES[shape], bos_token_id=None, eos_token_id=None, pad_token_id=None)
