@@ -35,9 +35,11 @@ def _rms_norm(self, x, residual=None):
     return rms_norm(x, self.weight, self.variance_epsilon, residual)
 
 
-def _rotary(self, q, k, cos, sin):
+def _rotary(self, q, k, cos, sin, q_norm=None, k_norm=None):
     from .rotary import apply_rotary
 
+    if q_norm is not None:
+        q, k = q_norm(q), k_norm(k)
     return apply_rotary(q, k, cos, sin)
 
 

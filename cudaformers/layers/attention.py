@@ -10,9 +10,15 @@ from .rotary import apply_rotary_reference
 
 
 class ApplyRotary(nn.Module):
-    """Applies rotary embeddings to q and k; a module so kernels can be swapped in from outside."""
+    """Per-head RMSNorm of q and k (when the family has it), then rotary embeddings.
 
-    def forward(self, q, k, cos, sin):
+    One module for both steps so that a kernel swapped in from outside can fuse them; the norm
+    modules stay on the attention layer under their Hugging Face names and are passed in.
+    """
+
+    def forward(self, q, k, cos, sin, q_norm=None, k_norm=None):
+        if q_norm is not None:
+            q, k = q_norm(q), k_norm(k)
         return apply_rotary_reference(q, k, cos, sin)
 
 
@@ -47,8 +53,6 @@ class Attention(nn.Module):
         q, k, v = self.project_qkv(hidden)
         # -1 head counts: under tensor parallelism each rank holds a slice of the heads.
         q, k, v = q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(q, k, cos, sin)
+        q, k = self.rotary(q, k, cos, sin, self.q_norm, self.k_norm)
         out = self.backend(q, k, v, batch, self.layer_idx, self.scaling, self.sliding_window)
         return self.o_proj(out.reshape(t, -1))
