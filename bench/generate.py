@@ -1,6 +1,9 @@
 """W1-W3: generate() throughput, transformers and cudaformers on the same saved random weights.
 
-    python bench/generate.py [--workloads W1,W2,W3] [--attn sdpa,triton] [--kernels] [--skip-hf]
+    python bench/generate.py [--workloads W1,W2,W3] [--variants sdpa,triton+kernels] [--skip-hf] [--check-eager]
+
+A variant is an attention backend, optionally with ``+kernels`` (use_kernels=True) and ``+cublas``
+(kernels, but matmuls left on cuBLAS instead of the decode GEMV).
 """
 
 from __future__ import annotations
@@ -47,67 +50,70 @@ def run_hf(folder, batch) -> dict:
     return dict(tok_s=batch * NEW / seconds, seconds=seconds, load_s=load_s, setting=setting, tokens=tokens.cpu())
 
 
-def run_ours(folder, batch, attn, kernels) -> dict:
-    from cudaformers import AutoModelForCausalLM
+def run_ours(folder, batch, variant, check_eager) -> dict:
+    from cudaformers import AutoModelForCausalLM, KernelConfig
 
+    attn, *flags = variant.split("+")
+    kernels = "kernels" in flags
+    config = KernelConfig(kernel_mapping={"Linear": ""}) if "cublas" in flags else None
     (model, load_s) = timed(lambda: AutoModelForCausalLM.from_pretrained(
-        folder, dtype=torch.bfloat16, device_map="cuda", attn_implementation=attn, use_kernels=kernels))
+        folder, dtype=torch.bfloat16, device_map="cuda", attn_implementation=attn, use_kernels=kernels,
+        kernel_config=config))
     ids = prompt_ids(batch)
     kw = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
     model.generate(ids, **kw)
     out, seconds = timed(lambda: model.generate(ids, **kw))
-    eager = model.generate(ids, use_cuda_graph=False, **kw)
+    eager = model.generate(ids, use_cuda_graph=False, **kw) if check_eager else None
     weight_bytes = sum(p.numel() * p.element_size() for p in set(model.parameters()))
     explain = model.explain()
     del model
     gc.collect()
     torch.cuda.empty_cache()
     return dict(tok_s=batch * NEW / seconds, seconds=seconds, load_s=load_s, tokens=out[:, PROMPT:].cpu(),
-                graph_equals_eager=bool(torch.equal(out, eager)), weight_bytes=weight_bytes, explain=explain)
+                graph_equals_eager=None if eager is None else bool(torch.equal(out, eager)),
+                weight_bytes=weight_bytes, explain=explain)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workloads", default="W1,W2,W3")
-    ap.add_argument("--attn", default="sdpa,triton")
-    ap.add_argument("--kernels", default="off", help="off, on or both")
+    ap.add_argument("--variants", default="sdpa,triton+kernels")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--check-eager", action="store_true", help="also decode without graphs and compare tokens")
     ap.add_argument("--json", default=None, help="append JSON lines here")
     args = ap.parse_args()
     env = environment()
     bw, tflops = copy_bandwidth(), matmul_tflops()
     print(f"{env['gpu']}: copy {bw / 1e12:.2f} TB/s, bf16 matmul {tflops:.0f} TFLOP/s; torch {env['torch']}, "
           f"transformers {env['transformers']}, commit {env['commit']}")
-    kernel_modes = {"off": [False], "on": [True], "both": [False, True]}[args.kernels]
     rows = []
     for wl in args.workloads.split(","):
         shape, batch = WORKLOADS[wl]
         folder = random_checkpoint(shape, Path(f"/tmp/bench-{shape}"))
         hf = None if args.skip_hf else run_hf(folder, batch)
-        for attn in args.attn.split(","):
-            for kernels in kernel_modes:
-                try:
-                    ours = run_ours(folder, batch, attn, kernels)
-                except Exception as e:  # noqa: BLE001 - one failing setting must not hide the others
-                    print(f"{wl} {attn} kernels={kernels}: FAILED {type(e).__name__}: {e}")
-                    continue
-                share = ours["weight_bytes"] / (ours["seconds"] / NEW) / bw if batch == 1 else None
-                agree = None if hf is None else float((ours["tokens"] == hf["tokens"]).float().mean())
-                rec = dict(workload=wl, shape=shape, batch=batch, attn=attn, use_kernels=kernels,
-                           ours_tok_s=round(ours["tok_s"], 1), hf_tok_s=None if hf is None else round(hf["tok_s"], 1),
-                           ratio=None if hf is None else round(ours["tok_s"] / hf["tok_s"], 1),
-                           bandwidth_share=None if share is None else round(share, 3),
-                           ours_load_s=round(ours["load_s"], 2), hf_load_s=None if hf is None else round(hf["load_s"], 2),
-                           hf_setting=None if hf is None else hf["setting"], graph_equals_eager=ours["graph_equals_eager"],
-                           token_agreement_with_hf=agree, copy_tb_s=round(bw / 1e12, 2), **env)
-                emit(rec, args.json)
-                rows.append(rec)
-                print(ours["explain"])
-    print(f"\n{'wl':3} {'attn':7} {'kern':4} {'ours tok/s':>10} {'hf tok/s':>9} {'ratio':>6} {'bw%':>5} "
+        for variant in args.variants.split(","):
+            try:
+                ours = run_ours(folder, batch, variant, args.check_eager)
+            except Exception as e:  # noqa: BLE001 - one failing setting must not hide the others
+                print(f"{wl} {variant}: FAILED {type(e).__name__}: {e}")
+                continue
+            share = ours["weight_bytes"] / (ours["seconds"] / NEW) / bw if batch == 1 else None
+            agree = None if hf is None else float((ours["tokens"] == hf["tokens"]).float().mean())
+            rec = dict(workload=wl, shape=shape, batch=batch, variant=variant,
+                       ours_tok_s=round(ours["tok_s"], 1), hf_tok_s=None if hf is None else round(hf["tok_s"], 1),
+                       ratio=None if hf is None else round(ours["tok_s"] / hf["tok_s"], 1),
+                       bandwidth_share=None if share is None else round(share, 3),
+                       ours_load_s=round(ours["load_s"], 2), hf_load_s=None if hf is None else round(hf["load_s"], 2),
+                       hf_setting=None if hf is None else hf["setting"], graph_equals_eager=ours["graph_equals_eager"],
+                       token_agreement_with_hf=agree, copy_tb_s=round(bw / 1e12, 2), **env)
+            emit(rec, args.json)
+            rows.append(rec)
+            print(ours["explain"])
+    print(f"\n{'wl':3} {'variant':24} {'ours tok/s':>10} {'hf tok/s':>9} {'ratio':>6} {'bw%':>5} "
           f"{'load ours/hf s':>14} {'graph=eager':>11} {'agree':>6}")
     for r in rows:
         bwp = f"{100 * r['bandwidth_share']:.0f}" if r["bandwidth_share"] else "-"
-        print(f"{r['workload']:3} {r['attn']:7} {str(r['use_kernels'])[:4]:4} {r['ours_tok_s']:>10} "
+        print(f"{r['workload']:3} {r['variant']:24} {r['ours_tok_s']:>10} "
               f"{str(r['hf_tok_s']):>9} {str(r['ratio']):>6} {bwp:>5} "
               f"{r['ours_load_s']:>6}/{str(r['hf_load_s']):>7} {str(r['graph_equals_eager']):>11} "
               f"{'-' if r['token_agreement_with_hf'] is None else round(r['token_agreement_with_hf'], 3):>6}")
