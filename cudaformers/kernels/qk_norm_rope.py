@@ -1,0 +1,163 @@
+"""Per-head RMSNorm of q and k (optional) and rotary embeddings, in one launch for inference.
+
+q ``[T, Hq, D]`` and k ``[T, Hkv, D]`` may be strided views of a packed projection (any token and
+head strides, last dim contiguous); they are read once and written to new contiguous tensors, so the
+attention kernels and the KV-cache store downstream never need a ``.contiguous()`` copy. The inputs
+are left untouched, as in the reference. cos/sin ``[T, R]`` with ``R <= D`` rotate the first R
+channels of every head (transformers' rotate_half layout); the rest pass through, normalised.
+
+Everything is computed in fp32 from the loaded values and rounded once, at the store. There is no
+backward: this is the inference kernel of the "rotary_pos_emb" layer type; when autograd needs
+gradients through q or k it hands over to the differentiable kernels (``rms_norm`` + ``rotary``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import triton
+import triton.language as tl
+
+from ..layers.rotary import apply_rotary_reference
+
+logger = logging.getLogger("cudaformers")
+
+
+@triton.jit
+def _norm_rope_heads(x_ptr, o_ptr, w_ptr, cos_row, sin_row, stride_t, stride_h, t, n_heads, eps, half, rot,
+                     HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    cols = tl.arange(0, BLOCK_D)[None, :]
+    col_ok = cols < HEAD_DIM
+    # rotate_half: channel c < half pairs with c + half (and subtracts it), half <= c < rot with c - half.
+    first = cols < half
+    rotated = cols < rot
+    partner = tl.where(first, cols + half, tl.where(rotated, cols - half, cols))
+    sign = tl.where(first, -1.0, 1.0)
+    c = tl.load(cos_row + cols, mask=rotated, other=1.0).to(tl.float32)
+    s = sign * tl.load(sin_row + cols, mask=rotated, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        w_partner = tl.load(w_ptr + partner, mask=col_ok, other=0.0).to(tl.float32)
+    for h0 in range(0, n_heads, BLOCK_H):
+        heads = h0 + tl.arange(0, BLOCK_H)[:, None]
+        mask = (heads < n_heads) & col_ok
+        row = x_ptr + t * stride_t + heads * stride_h
+        x = tl.load(row + cols, mask=mask, other=0.0).to(tl.float32)        # [BLOCK_H, BLOCK_D]
+        xp = tl.load(row + partner, mask=mask, other=0.0).to(tl.float32)    # partner channels (L1 hits)
+        if HAS_NORM:
+            rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)    # [BLOCK_H]
+            x = x * rstd[:, None] * w
+            xp = xp * rstd[:, None] * w_partner
+        y = x * c + xp * s
+        tl.store(o_ptr + (t * n_heads + heads) * HEAD_DIM + cols, y.to(o_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr,
+                         stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, stride_st,
+                         n_q_heads, n_kv_heads, q_eps, k_eps, half, rot,
+                         HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr,
+                         BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cos_row = cos_ptr + t * stride_ct
+    sin_row = sin_ptr + t * stride_st
+    # Axis 1 picks q or k: two programs per token keep the k heads off the q heads' critical path.
+    if tl.program_id(1) == 0:
+        _norm_rope_heads(q_ptr, qo_ptr, qw_ptr, cos_row, sin_row, stride_qt, stride_qh, t, n_q_heads, q_eps,
+                         half, rot, HEAD_DIM, HAS_NORM, BLOCK_HQ, BLOCK_D)
+    else:
+        _norm_rope_heads(k_ptr, ko_ptr, kw_ptr, cos_row, sin_row, stride_kt, stride_kh, t, n_kv_heads, k_eps,
+                         half, rot, HEAD_DIM, HAS_NORM, BLOCK_HK, BLOCK_D)
+
+
+def _heads_per_tile(n_heads: int, block_d: int) -> int:
+    # ~4k elements per tile: all heads of a decode-sized model at once, bounded registers for wide ones.
+    return min(triton.next_power_of_2(n_heads), max(1, 4096 // block_d))
+
+
+def _norm_params(norm, name: str):
+    weight, eps = getattr(norm, "weight", None), getattr(norm, "variance_epsilon", None)
+    if weight is None or eps is None:
+        raise TypeError(f"qk_norm_rope: {name} must be an RMSNorm (with .weight and .variance_epsilon), "
+                        f"got {type(norm).__name__}")
+    return weight, float(eps)
+
+
+def qk_norm_rope_forward(q, k, cos, sin, q_weight=None, k_weight=None, q_eps: float = 1e-6, k_eps: float = 1e-6):
+    """The kernel call: returns new contiguous ``(q, k)``; weights ``[D]`` both given or both None."""
+    if (q_weight is None) != (k_weight is None):
+        raise ValueError("qk_norm_rope: pass both q and k norm weights, or neither")
+    if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        raise ValueError(f"qk_norm_rope: expected q [T, Hq, D] and k [T, Hkv, D], got {tuple(q.shape)} and "
+                         f"{tuple(k.shape)}")
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    rot = cos.shape[-1]
+    if cos.shape != sin.shape or cos.shape[0] != t or rot > d or rot % 2:
+        raise ValueError(f"qk_norm_rope: cos/sin must be [T, R] with an even R <= head_dim ({d}), got "
+                         f"{tuple(cos.shape)} and {tuple(sin.shape)} for T={t}")
+    has_norm = q_weight is not None
+    if has_norm and (q_weight.shape != (d,) or k_weight.shape != (d,)):
+        raise ValueError(f"qk_norm_rope: norm weights must be [head_dim={d}], got {tuple(q_weight.shape)} and "
+                         f"{tuple(k_weight.shape)}")
+    # The output dtype the reference would produce (weight * normed, then times cos).
+    out_dtype = cos.dtype if not has_norm else torch.promote_types(q_weight.dtype, cos.dtype)
+    q_dtype, k_dtype = torch.promote_types(q.dtype, out_dtype), torch.promote_types(k.dtype, out_dtype)
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    cos = cos if cos.stride(-1) == 1 else cos.contiguous()
+    sin = sin if sin.stride(-1) == 1 else sin.contiguous()
+    q_out = torch.empty((t, hq, d), device=q.device, dtype=q_dtype)
+    k_out = torch.empty((t, hkv, d), device=k.device, dtype=k_dtype)
+    if t == 0:
+        return q_out, k_out
+    block_d = triton.next_power_of_2(d)
+    _qk_norm_rope_kernel[(t, 2)](
+        q, k, q_out, k_out, q_weight if has_norm else cos, k_weight if has_norm else cos, cos, sin,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),
+        hq, hkv, q_eps, k_eps, rot // 2, rot,
+        HEAD_DIM=d, HAS_NORM=has_norm, BLOCK_HQ=_heads_per_tile(hq, block_d), BLOCK_HK=_heads_per_tile(hkv, block_d),
+        BLOCK_D=block_d, num_warps=4 if block_d * triton.next_power_of_2(max(hq, hkv)) >= 2048 else 2)
+    return q_out, k_out
+
+
+_warned_grad = False
+
+
+def qk_norm_rope(q, k, cos, sin, q_norm=None, k_norm=None):
+    """``ApplyRotary.forward`` as one launch: optional per-head norm (the modules' weight and eps), then rope."""
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("qk_norm_rope: pass both q_norm and k_norm, or neither")
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+        global _warned_grad
+        if not _warned_grad:
+            _warned_grad = True
+            logger.info("kernels: qk_norm_rope has no backward; gradients are enabled, so q/k norm and "
+                        "rotary run as the differentiable rms_norm + rotary kernels")
+        from .rms_norm import rms_norm
+        from .rotary import apply_rotary
+
+        if q_norm is not None:
+            q = rms_norm(q, *_norm_params(q_norm, "q_norm"))
+            k = rms_norm(k, *_norm_params(k_norm, "k_norm"))
+        else:  # the rotation is in place: do not modify the caller's projections
+            q, k = q.clone(), k.clone()
+        return apply_rotary(q, k, cos, sin)
+    if q_norm is None:
+        return qk_norm_rope_forward(q, k, cos, sin)
+    qw, qe = _norm_params(q_norm, "q_norm")
+    kw, ke = _norm_params(k_norm, "k_norm")
+    return qk_norm_rope_forward(q, k, cos, sin, qw, kw, qe, ke)
+
+
+def qk_norm_rope_reference(q, k, cos, sin, q_weight=None, k_weight=None, q_eps: float = 1e-6, k_eps: float = 1e-6):
+    """The PyTorch definition: ``ApplyRotary``'s norm (transformers' RMSNorm numerics) then rotation."""
+    from ..layers.norm import rms_norm_reference
+
+    if q_weight is not None:
+        q, k = rms_norm_reference(q, q_weight, q_eps), rms_norm_reference(k, k_weight, k_eps)
+    return apply_rotary_reference(q, k, cos, sin)
+
+
+__all__ = ["qk_norm_rope", "qk_norm_rope_forward", "qk_norm_rope_reference"]
