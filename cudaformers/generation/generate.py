@@ -42,9 +42,9 @@ def prompt_rows(input_ids, attention_mask, pad_token_id, eos_ids):
     return [row[m] for row, m in zip(input_ids, mask)]
 
 
-def generate(model, input_ids, attention_mask=None, generation_config=None, streamer=None, tokenizer=None,
-             use_cuda_graph: bool | None = None, **kwargs):
-    gen = resolve_config(model, generation_config, kwargs)
+def prepare_prompts(model, input_ids, attention_mask, gen: GenerationConfig, streamer=None):
+    """(input_ids [B, S] on the model's device, rows without padding, pad id, eos ids, max new tokens),
+    with num_return_sequences expanded and bad input rejected."""
     if input_ids is None:
         raise ValueError("generate() needs input_ids (tokenize the prompt first)")
     input_ids = input_ids.to(model.device)
@@ -61,33 +61,43 @@ def generate(model, input_ids, attention_mask=None, generation_config=None, stre
             raise ValueError("num_return_sequences > 1 needs do_sample=True (greedy rows would be identical)")
         rows = [r for r in rows for _ in range(n_ret)]
         input_ids = input_ids.repeat_interleave(n_ret, 0)
-    lens = [len(r) for r in rows]
-    s = input_ids.shape[1]
-    max_new = gen.max_new_tokens if gen.max_new_tokens is not None else max(gen.max_length - s, 0)
-    if max_new <= 0:
-        return input_ids
-    limit = getattr(model.config, "max_position_embeddings", None)
-    if limit and max(lens) + max_new > limit and getattr(model.config, "rope", {}).get("rope_type") != "dynamic":
-        logger.warning("prompt + max_new_tokens = %d exceeds max_position_embeddings = %d; quality may degrade",
-                       max(lens) + max_new, limit)
-    if gen.stop_strings and tokenizer is None:
-        raise ValueError("stop_strings needs the tokenizer: generate(..., stop_strings=[...], tokenizer=tok)")
     if streamer is not None and len(rows) > 1:
         raise ValueError("a streamer needs a single prompt (batch size 1)")
+    max_new = gen.max_new_tokens if gen.max_new_tokens is not None else max(gen.max_length - input_ids.shape[1], 0)
+    return input_ids, rows, pad, eos_ids, max_new
 
-    dev = model.device
-    n = len(rows)
-    runner = get_runner(model, n, max(lens) + max_new, use_cuda_graph)
+
+def sampling_state(model, gen: GenerationConfig, rows, eos_ids):
+    """(sampling tensors, seen-token mask for the repetition penalty or None, generator, eos tensor)."""
+    dev, n = model.device, len(rows)
     st = SamplingTensors.build([sampling_row(gen)] * n, dev)
     seen = None
     if st.use_penalty:
         seen = torch.zeros(n, model.config.vocab_size, dtype=torch.bool, device=dev)
         for i, r in enumerate(rows):
             seen[i, r] = True
-    generator = None
-    if gen.seed is not None:
-        generator = torch.Generator(device=dev).manual_seed(gen.seed)
-    eos = torch.tensor(eos_ids or [-1], device=dev)
+    generator = torch.Generator(device=dev).manual_seed(gen.seed) if gen.seed is not None else None
+    return st, seen, generator, torch.tensor(eos_ids or [-1], device=dev)
+
+
+def generate(model, input_ids, attention_mask=None, generation_config=None, streamer=None, tokenizer=None,
+             use_cuda_graph: bool | None = None, **kwargs):
+    gen = resolve_config(model, generation_config, kwargs)
+    input_ids, rows, pad, eos_ids, max_new = prepare_prompts(model, input_ids, attention_mask, gen, streamer)
+    if max_new <= 0:
+        return input_ids
+    lens = [len(r) for r in rows]
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit and max(lens) + max_new > limit and getattr(model.config, "rope", {}).get("rope_type") != "dynamic":
+        logger.warning("prompt + max_new_tokens = %d exceeds max_position_embeddings = %d; quality may degrade",
+                       max(lens) + max_new, limit)
+    if gen.stop_strings and tokenizer is None:
+        raise ValueError("stop_strings needs the tokenizer: generate(..., stop_strings=[...], tokenizer=tok)")
+
+    dev = model.device
+    n = len(rows)
+    runner = get_runner(model, n, max(lens) + max_new, use_cuda_graph)
+    st, seen, generator, eos = sampling_state(model, gen, rows, eos_ids)
 
     flat = torch.cat(rows)
     positions = torch.cat([torch.arange(k, device=dev) for k in lens])

@@ -210,8 +210,8 @@ class MambaForCausalLM(PreTrainedModel):
 def generate_recurrent(model, input_ids, attention_mask=None, generation_config=None, streamer=None, **kwargs):
     """``generate()`` for recurrent models (``model.prefill`` / ``model.decode``): same arguments,
     left-padding handling, sampling and stop rules as the attention models' generate()."""
-    from ..generation.generate import prompt_rows, resolve_config, sampling_row
-    from ..generation.logits import SamplingTensors, sample
+    from ..generation.generate import prepare_prompts, resolve_config, sampling_state
+    from ..generation.logits import sample
 
     gen = resolve_config(model, generation_config, kwargs)
     if input_ids is None:
@@ -220,28 +220,11 @@ def generate_recurrent(model, input_ids, attention_mask=None, generation_config=
         raise UnsupportedError("stop_strings are not supported for Mamba models yet; use eos_token_id")
     if gen.num_return_sequences != 1:
         raise UnsupportedError("num_return_sequences > 1 is not supported for Mamba models yet")
-    input_ids = input_ids.to(model.device)
-    if input_ids.dim() == 1:
-        input_ids = input_ids[None]
-    eos_ids = gen.eos_token_ids
-    pad = gen.pad_token_id if gen.pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
-    rows = prompt_rows(input_ids, attention_mask, gen.pad_token_id, eos_ids)
-    if any(len(r) == 0 for r in rows):
-        raise ValueError("generate() got an empty prompt row; every row needs at least one token")
-    if streamer is not None and len(rows) > 1:
-        raise ValueError("a streamer needs a single prompt (batch size 1)")
-    max_new = gen.max_new_tokens if gen.max_new_tokens is not None else max(gen.max_length - input_ids.shape[1], 0)
+    input_ids, rows, pad, eos_ids, max_new = prepare_prompts(model, input_ids, attention_mask, gen, streamer)
     if max_new <= 0:
         return input_ids
     n, dev = len(rows), model.device
-    st = SamplingTensors.build([sampling_row(gen)] * n, dev)
-    seen = None
-    if st.use_penalty:
-        seen = torch.zeros(n, model.config.vocab_size, dtype=torch.bool, device=dev)
-        for i, r in enumerate(rows):
-            seen[i, r] = True
-    generator = torch.Generator(device=dev).manual_seed(gen.seed) if gen.seed is not None else None
-    eos = torch.tensor(eos_ids or [-1], device=dev)
+    st, seen, generator, eos = sampling_state(model, gen, rows, eos_ids)
     if streamer is not None:
         streamer.put(input_ids.cpu())
     logits, state = model.prefill(rows)
