@@ -110,3 +110,30 @@ def test_bad_inputs_are_clear_errors():
     with pytest.raises(TypeError, match="must be an RMSNorm"):
         with torch.no_grad():
             qk_norm_rope(q, k, cos, sin, torch.nn.Identity(), torch.nn.Identity())
+
+
+def test_hub_binds_it_for_inference_and_keeps_rotary_for_training():
+    from cudaformers.errors import UnsupportedError
+    from cudaformers.kernels.hub import KernelConfig, resolve
+
+    assert resolve("rotary_pos_emb", "cuda", "inference", None) == ("cudaformers:qk_norm_rope", "default on cuda")
+    assert resolve("rotary_pos_emb", "cuda", "training", None) == ("cudaformers:rotary", "default on cuda")
+    with pytest.raises(UnsupportedError, match="no backward"):
+        resolve("rotary_pos_emb", "cuda", "training", KernelConfig({"rotary_pos_emb": "cudaformers:qk_norm_rope"}))
+
+
+def test_tiny_qwen3_with_the_kernel_matches_the_plain_model():
+    import tiny
+    from cudaformers import AutoModelForCausalLM
+    from cudaformers.kernels.hub import KernelConfig
+
+    folder = tiny.checkpoint("qwen3")
+    plain = AutoModelForCausalLM.from_pretrained(folder)
+    mapping = {"rotary_pos_emb": {"cpu": {"inference": "cudaformers:qk_norm_rope", "training": "cudaformers:rotary"}}}
+    fast = AutoModelForCausalLM.from_pretrained(folder, kernel_config=KernelConfig(mapping, inherit_mapping=False))
+    assert "qk_norm_rope" in fast.explain()
+    ids = torch.randint(3, 211, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(fast(ids).logits, plain(ids).logits, atol=1e-4, rtol=1e-4)
+    fast.train()
+    assert "cudaformers:rotary" in fast.explain()

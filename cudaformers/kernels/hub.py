@@ -43,6 +43,12 @@ def _rotary(self, q, k, cos, sin, q_norm=None, k_norm=None):
     return apply_rotary(q, k, cos, sin)
 
 
+def _qk_norm_rope(self, q, k, cos, sin, q_norm=None, k_norm=None):
+    from .qk_norm_rope import qk_norm_rope
+
+    return qk_norm_rope(q, k, cos, sin, q_norm, k_norm)
+
+
 def _act_and_mul(self, gate, up):
     from .activation import act_and_mul
 
@@ -97,6 +103,8 @@ class LayerType:
     about: str
     default_modes: tuple = MODES  # modes in which CUDA gets the kernel by default
     has_backward: bool = True     # False: the kernels are forward-only, never used in training
+    forward_only: tuple = ()      # kernels of a layer type that otherwise has a backward
+    mode_defaults: dict = field(default_factory=dict)  # mode -> default kernel, where not the first one
 
 
 def _is(cls_path: str, **attrs):
@@ -115,8 +123,11 @@ _SILU, _GELU = ("silu", "swish"), ("gelu", "gelu_pytorch_tanh", "gelu_new")
 LAYER_TYPES = {t.name: t for t in [
     LayerType("RMSNorm", _is("cudaformers.layers.norm.RMSNorm"), {"cudaformers:rms_norm": _rms_norm},
               "RMSNorm with the residual add fused in"),
-    LayerType("rotary_pos_emb", _is("cudaformers.layers.attention.ApplyRotary"), {"cudaformers:rotary": _rotary},
-              "rotary embeddings applied in place to q and k"),
+    LayerType("rotary_pos_emb", _is("cudaformers.layers.attention.ApplyRotary"),
+              {"cudaformers:rotary": _rotary, "cudaformers:qk_norm_rope": _qk_norm_rope},
+              "q/k norm + rotary: one launch for both in inference (qk_norm_rope), in place with a backward "
+              "in training (rotary)",
+              forward_only=("cudaformers:qk_norm_rope",), mode_defaults={"inference": "cudaformers:qk_norm_rope"}),
     LayerType("SiluAndMul", _is("cudaformers.layers.mlp.GatedActivation", name=_SILU),
               {"cudaformers:act_and_mul": _act_and_mul}, "silu(gate) * up"),
     LayerType("GeluAndMul", _is("cudaformers.layers.mlp.GatedActivation", name=_GELU),
@@ -206,7 +217,7 @@ def resolve(layer: str, device_type: str, mode: str, config: KernelConfig | None
         name = value[0] if isinstance(value, tuple) else value
         if not name:
             return "", "mapped to '' (plain PyTorch)"
-        if mode == "training" and not lt.has_backward:
+        if mode == "training" and (not lt.has_backward or name in lt.forward_only):
             raise UnsupportedError(f"kernel_mapping[{layer!r}] = {name!r} in training: that kernel has no backward; "
                                    f"map {layer} to {{'{device_type}': {{'inference': {name!r}, 'training': ''}}}}")
         if device_type != "cuda" and not _interpreting():
@@ -220,7 +231,7 @@ def resolve(layer: str, device_type: str, mode: str, config: KernelConfig | None
         return "", f"default on {device_type}: Triton kernels need a GPU"
     if mode not in lt.default_modes:
         return "", f"default in {mode}: the plain layer is already optimal here"
-    return next(iter(lt.kernels)), "default on cuda"
+    return lt.mode_defaults.get(mode, next(iter(lt.kernels))), "default on cuda"
 
 
 def _module_device_type(module, fallback: str) -> str:
