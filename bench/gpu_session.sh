@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One GPU session's worth of checks and benchmarks, each under its own time limit so that one slow
+# or failing part cannot starve the rest. Logs go to $OUT (or ./out). Usage:
+#   COMMIT=$(git rev-parse --short HEAD) bash bench/gpu_session.sh [part ...]
+# Parts (default: all, in this order): generate train engine kernels-tests kernels-bench decode-profile
+set -u
+export PYTHONPATH="${PYTHONPATH:-$PWD}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT="${OUT:-out}"; mkdir -p "$OUT"
+parts=("$@"); [ ${#parts[@]} -eq 0 ] && parts=(generate train engine kernels-tests kernels-bench decode-profile)
+run() {  # name, seconds, command...
+  local name=$1 limit=$2; shift 2
+  echo "=== $name (limit ${limit}s)"
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "=== $name exit $?"
+  grep -v '^JSON\|it/s]\|Writing model shards\|Loading weights' "$OUT/$name.log" | tail -n 25
+}
+for part in "${parts[@]}"; do
+  case $part in
+    generate) run generate 150 python3 bench/generate.py --workloads W1,W3 \
+                --variants sdpa,triton+kernels,triton+kernels+cublas --json "$OUT/results.jsonl" ;;
+    train) run train 110 python3 bench/train.py --kernels off,on --attn sdpa --json "$OUT/results.jsonl" ;;
+    engine) run engine 90 python3 bench/serve_offline.py --skip-hf --json "$OUT/results.jsonl" ;;
+    engine-profile) run engine-profile 70 python3 bench/profile_engine.py ;;
+    kernels-tests) run kernels-tests 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_kernels_gpu.py ;;
+    kernels-bench) run kernels-bench 60 python3 bench/kernels.py ;;
+    decode-profile) run decode-profile 60 python3 bench/profile_decode.py --attn triton --kernels ;;
+    decode-kernels) run decode-kernels 40 python3 bench/decode_kernels.py ;;
+    *) echo "unknown part $part" ;;
+  esac
+done
