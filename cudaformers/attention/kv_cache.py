@@ -46,7 +46,16 @@ class KVCache:
 
 
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write new tokens' k, v ``[T, Hkv, D]`` into the cache at ``slot_mapping`` ``[T]``."""
+    """Write new tokens' k, v ``[T, Hkv, D]`` into the cache at ``slot_mapping`` ``[T]``.
+
+    On CUDA one Triton launch writes both, reading strided k/v views as they are (kernels/kv_store.py).
+    """
+    if k.is_cuda and not (torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)):
+        from ..kernels.kv_store import store_kv_triton, supports
+
+        if supports(k_cache, v_cache):
+            store_kv_triton(k_cache, v_cache, k, v, slot_mapping)
+            return
     flat_k = k_cache.view(-1, *k_cache.shape[2:])
     flat_v = v_cache.view(-1, *v_cache.shape[2:])
     flat_k.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
