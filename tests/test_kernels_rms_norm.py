@@ -61,3 +61,44 @@ def test_rms_norm_inference_path_and_fp32_weight():
     # One bf16 ulp: the Triton interpreter rounds casts toward zero, GPUs to nearest.
     torch.testing.assert_close(s, s_ref, rtol=2 ** -7, atol=0)
     torch.testing.assert_close(y, y_ref, rtol=2e-2, atol=2e-2)
+
+
+
+def _view(packed, layout, t, h, d):
+    if layout == "rows":
+        return packed[:, 8:8 + h * d]
+    if layout == "heads":
+        return packed[:, 8:8 + h * d].view(t, h, d)
+    return packed[:, :2 * h * d].view(t, h, 2 * d)[..., :d]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["rows", "heads", "padded_heads"])
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm_reads_strided_views(layout, residual, dtype):
+    # Views as the model produces them: a slice of a packed projection's rows, or per-head [T, H, D].
+    g = torch.Generator().manual_seed(11)
+    t, h, d = 5, 3, 24
+    packed0 = torch.randn(t, 2 * h * d + 8, generator=g)
+    shape = _view(packed0, layout, t, h, d).shape
+    r0 = torch.randn(shape, generator=g) if residual else None
+    w0 = 1 + 0.1 * torch.randn(shape[-1], generator=g)
+    dy = torch.randn(shape, generator=g)
+
+    def run(fn, dt):
+        packed = packed0.to(dt).requires_grad_()
+        x = _view(packed, layout, t, h, d)
+        assert not x.is_contiguous()
+        r = r0.to(dt).requires_grad_() if residual else None
+        out = fn(x, w0.to(dt), 1e-6, r)
+        y, s = out if residual else (out, None)
+        loss = (y.float() * dy).sum() + (0 if s is None else (s.float() * dy.flip(0)).sum())
+        loss.backward()
+        with torch.no_grad():  # the inference path too
+            y_ng = fn(x, w0.to(dt), 1e-6, r)
+        return [y, packed.grad] + ([s, r.grad] if residual else []) + [y_ng[0] if residual else y_ng]
+
+    ours, ref, ref32 = run(rms_norm, dtype), run(_ref, dtype), run(_ref, torch.float32)
+    for name, a, b, c in zip(["y", "dx", "s", "dr", "y (no grad)"] if residual else ["y", "dx", "y (no grad)"],
+                             ours, ref, ref32):
+        assert_matches(a, b, c, f"{name} ({dtype}, {layout})")

@@ -4,6 +4,10 @@
 to the input dtype, scale by the weight; with a residual it also returns the sum ``x + residual`` that
 the next layer adds to. One program handles a run of rows so the weight gradient is reduced in
 registers and only ``[programs, H]`` partial sums reach memory.
+
+The forward reads x and residual through their strides (rows of ``[outer, inner, H]`` views whose
+last dim is contiguous, e.g. per-head q/k slices of a packed projection), so no copy precedes it;
+its outputs are contiguous.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from ..layers.norm import rms_norm_reference
 
 @triton.jit
 def _rms_norm_fwd(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, rstd_ptr, n_rows, n_cols, eps, rows_per_program,
+                  n_inner, stride_xo, stride_xi, stride_ro, stride_ri,
                   HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
@@ -25,11 +30,14 @@ def _rms_norm_fwd(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, rstd_ptr, n_rows, n_cols, e
     for i in range(rows_per_program):
         row = pid * rows_per_program + i
         if row < n_rows:
-            off = row.to(tl.int64) * n_cols + cols
-            x = tl.load(x_ptr + off, mask=mask, other=0.0)
+            row64 = row.to(tl.int64)
+            outer, inner = row64 // n_inner, row64 % n_inner
+            off = row64 * n_cols + cols
+            x = tl.load(x_ptr + outer * stride_xo + inner * stride_xi + cols, mask=mask, other=0.0)
             if HAS_RESIDUAL:
                 # The sum is rounded to the activation dtype before it is normalised, as in PyTorch.
-                x = (x.to(tl.float32) + tl.load(r_ptr + off, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+                r = tl.load(r_ptr + outer * stride_ro + inner * stride_ri + cols, mask=mask, other=0.0)
+                x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
                 tl.store(s_ptr + off, x, mask=mask)
             xf = x.to(tl.float32)
             rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
@@ -74,27 +82,46 @@ def _launch_shape(n_rows: int, n_cols: int, device) -> tuple[int, int, int]:
     return block, programs, triton.cdiv(max(n_rows, 1), programs)
 
 
+def _rows(x: torch.Tensor, inner: int) -> torch.Tensor:
+    """``x [..., inner, H]`` as an ``[outer, inner, H]`` view with a contiguous last dim; copies only
+    when the leading dims cannot be merged into one stride."""
+    if x.stride(-1) == 1:
+        try:
+            return x.view(-1, inner, x.shape[-1])
+        except RuntimeError:
+            pass
+    return x.contiguous().view(-1, inner, x.shape[-1])
+
+
 def rms_norm_forward(x, weight, eps, residual=None):
     """x ``[..., H]`` -> ``(y, s, rstd)``; ``s`` is ``x + residual`` (or ``x``), rstd ``[rows]`` fp32."""
     shape = x.shape
-    x2 = x.reshape(-1, shape[-1]).contiguous()
-    r2 = residual.reshape(-1, shape[-1]).contiguous() if residual is not None else None
-    n_rows, n_cols = x2.shape
+    n_cols = shape[-1]
+    n_rows = x.numel() // n_cols if n_cols else 0
+    if n_rows == 0:
+        y = torch.empty(shape, device=x.device, dtype=torch.promote_types(x.dtype, weight.dtype))
+        s = x if residual is None else x + residual
+        return y, s, torch.empty(0, device=x.device, dtype=torch.float32)
+    inner = shape[-2] if x.dim() >= 2 else 1
+    x3 = _rows(x, inner)
+    r3 = _rows(residual, inner) if residual is not None else None
     # Like ``weight * h.to(dtype)``: an fp32 weight (autocast master weights) gives an fp32 output.
     # Outputs are allocated in the caller's shape, not as views: callers modify them in place (rotary
     # on a normed q), which autograd forbids on views created inside a Function.
     y = torch.empty(shape, device=x.device, dtype=torch.promote_types(x.dtype, weight.dtype))
-    s = torch.empty(shape, device=x.device, dtype=x.dtype) if r2 is not None else x2
+    s = torch.empty(shape, device=x.device, dtype=x.dtype) if r3 is not None else x
     rstd = torch.empty(n_rows, device=x.device, dtype=torch.float32)
     block, programs, per = _launch_shape(n_rows, n_cols, x.device)
-    _rms_norm_fwd[(programs,)](x2, r2 if r2 is not None else x2, weight, y, s, rstd, n_rows, n_cols, eps, per,
-                               HAS_RESIDUAL=r2 is not None, BLOCK=block)
-    return y, s.view(shape), rstd
+    r_or_x = r3 if r3 is not None else x3
+    _rms_norm_fwd[(programs,)](x3, r_or_x, weight, y, s, rstd, n_rows, n_cols, eps, per,
+                               inner, x3.stride(0), x3.stride(1), r_or_x.stride(0), r_or_x.stride(1),
+                               HAS_RESIDUAL=r3 is not None, BLOCK=block)
+    return y, s, rstd
 
 
 def rms_norm_backward(dy, ds, s, weight, rstd):
     shape = s.shape
-    s2 = s.reshape(-1, shape[-1])
+    s2 = s.reshape(-1, shape[-1]).contiguous()  # s is the (possibly strided) input when there was no residual
     n_rows, n_cols = s2.shape
     dy2 = dy.reshape(-1, n_cols).contiguous()
     ds2 = ds.reshape(-1, n_cols).contiguous() if ds is not None else None
