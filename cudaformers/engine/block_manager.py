@@ -129,10 +129,10 @@ class BlockManager:
 
     def register(self, seq: Sequence) -> None:
         """File the sequence's full, scheduled blocks under their hash (call after each step)."""
-        if not self.enable_prefix_caching:
-            return
-        self.update_hashes(seq)
         bs = self.block_size
+        if not self.enable_prefix_caching or seq.num_computed_tokens // bs <= seq.num_cached_blocks:
+            return  # no block filled since the last call: the common decode step
+        self.update_hashes(seq)
         full = min(len(seq.block_hashes), seq.num_computed_tokens // bs, len(seq.block_table))
         # Blocks before num_cached_blocks were filed (or were hits) already: each step looks at new ones only.
         for i in range(seq.num_cached_blocks, full):

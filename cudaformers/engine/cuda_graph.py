@@ -79,24 +79,23 @@ class DecodeGraphs:
     def replay(self, b: int, batch, ids, pos, slots, k_lens, fill_dst, fill_src) -> torch.Tensor:
         n = len(batch.seqs)
         run = self.runner
-        # Two packed host arrays -> two copies, then device-side scatter into the fixed buffers.
-        i64 = np.zeros(3 * b, dtype=np.int64)
-        i64[:n], i64[b:b + n], i64[2 * b:2 * b + n] = ids, pos, slots
-        i64[2 * b + n:] = self.pad_slot
-        lens = np.ones(b, dtype=np.int32)
-        lens[:n] = k_lens
-        i32 = np.empty(b + b + 1 + b * self.width, dtype=np.int32)
-        i32[:b] = lens
-        i32[b] = 0
-        np.cumsum(lens, out=i32[b + 1:2 * b + 1])
-        i32[2 * b + 1:] = run.block_table_array(batch.seqs + [_PAD] * (b - n), self.width).reshape(-1)
-        d64, d32 = run.to_device(i64), run.to_device(i32)
-        self.ids[:b].copy_(d64[:b])
-        self.pos[:b].copy_(d64[b:2 * b])
-        self.slots[:b].copy_(d64[2 * b:])
-        self.seqlens_k[:b].copy_(d32[:b])
-        self.cu_k[:b + 1].copy_(d32[b:2 * b + 1])
-        self.block_table[:b].copy_(d32[2 * b + 1:].view(b, self.width))
+        pad = b - n
+        # Only the block-table columns some row uses are sent: the kernels read a row's ids up to
+        # its length and no further, so what older steps left in the other columns is never seen.
+        width = max(len(s.block_table) for s in batch.seqs)
+        table = run.block_table_array(batch.seqs + [_PAD] * pad, width)
+        lens = k_lens + [1] * pad
+        cu_k = np.zeros(b + 1, dtype=np.int64)
+        np.cumsum(lens, out=cu_k[1:])
+        d_ids, d_pos, d_slots = run.pack_to_device(np.int64, ids + [0] * pad, pos + [0] * pad,
+                                                   slots + [self.pad_slot] * pad)
+        d_lens, d_cu_k, d_table = run.pack_to_device(np.int32, lens, cu_k, table)
+        self.ids[:b].copy_(d_ids)
+        self.pos[:b].copy_(d_pos)
+        self.slots[:b].copy_(d_slots)
+        self.seqlens_k[:b].copy_(d_lens)
+        self.cu_k[:b + 1].copy_(d_cu_k)
+        self.block_table[:b, :width].copy_(d_table.view(b, width))
         if fill_dst:
             run._fill(self.ids, fill_dst, fill_src)
         self.graphs[b].replay()

@@ -161,7 +161,7 @@ class LLMEngine:
     def _finish_reason(self, seq: Sequence, slot: int) -> FinishReason | None:
         p = seq.params
         tok, n_out = seq.token_ids[slot], slot + 1 - seq.num_prompt_tokens
-        if n_out >= p.min_tokens and tok in p.finish_token_ids():
+        if n_out >= p.min_tokens and tok in seq.finish_token_ids:
             return FinishReason.STOP
         if p.stop and self._hit_stop_string(seq, slot):
             return FinishReason.STOP

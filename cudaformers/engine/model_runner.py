@@ -11,6 +11,7 @@ batch-size bucket (cuda_graph.py).
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 
@@ -112,45 +113,51 @@ class ModelRunner:
         return t.to(self.device, non_blocking=True)
 
     def block_table_array(self, seqs, width: int) -> np.ndarray:
-        table = np.full((len(seqs), width), self.pad_block, dtype=np.int32)
-        for i, seq in enumerate(seqs):
-            table[i, :len(seq.block_table)] = seq.block_table
+        """``[len(seqs), width]`` int32 block ids, rows padded with the pad block."""
+        tables = [s.block_table for s in seqs]
+        lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+        table = np.full((len(tables), width), self.pad_block, dtype=np.int32)
+        # One C-level pass over every id instead of a numpy slice assignment per row.
+        flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32, count=int(lens.sum()))
+        table[np.arange(width) < lens[:, None]] = flat
         return table
 
     def prepare(self, batch: ScheduledBatch):
-        """Host arrays for a step, plus where decode inputs still unknown to the host come from."""
+        """Host lists for a step, plus where decode inputs still unknown to the host come from.
+
+        Plain lists: a decode row is three scalars, and numpy per-element writes cost more than the
+        list appends; prefill chunks are added with C-level ``extend``s, one per cache block.
+        """
         bs = self.block_size
-        total = batch.num_tokens
-        ids = np.empty(total, dtype=np.int64)
-        pos = np.empty(total, dtype=np.int64)
-        slots = np.empty(total, dtype=np.int64)
-        q_lens, k_lens, fill_dst, fill_src = [], [], [], []
-        off = 0
+        ids, pos, slots, k_lens, fill_dst, fill_src = [], [], [], [], [], []
+        last_rows = self._last_rows
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             c = seq.num_computed_tokens
             table = seq.block_table
-            if n == 1:  # decode: scalar arithmetic beats numpy on one element
+            if n == 1:
                 tok = seq.token_ids[c]
                 if tok == PLACEHOLDER:
-                    fill_dst.append(off)
-                    fill_src.append(self._last_rows[seq.seq_id])
+                    fill_dst.append(len(ids))
+                    fill_src.append(last_rows[seq.seq_id])
                     tok = 0
-                ids[off], pos[off] = tok, c
-                slots[off] = table[c // bs] * bs + c % bs
+                ids.append(tok)
+                pos.append(c)
+                slots.append(table[c // bs] * bs + c % bs)
             else:
-                p = np.arange(c, c + n)
-                ids[off:off + n] = seq.token_ids[c:c + n]
-                pos[off:off + n] = p
-                slots[off:off + n] = np.asarray(table, dtype=np.int64)[p // bs] * bs + p % bs
-            q_lens.append(n)
+                ids.extend(seq.token_ids[c:c + n])
+                pos.extend(range(c, c + n))
+                p, end = c, c + n
+                while p < end:  # one run of consecutive slots per cache block
+                    take = min(bs - p % bs, end - p)
+                    first = table[p // bs] * bs + p % bs
+                    slots.extend(range(first, first + take))
+                    p += take
             k_lens.append(c + n)
-            off += n
-        return ids, pos, slots, q_lens, k_lens, fill_dst, fill_src
+        return ids, pos, slots, batch.num_new_tokens, k_lens, fill_dst, fill_src
 
     def _fill(self, input_ids: torch.Tensor, fill_dst, fill_src) -> None:
         if fill_dst:
-            dst = self.to_device(np.asarray(fill_dst, dtype=np.int64))
-            src = self.to_device(np.asarray(fill_src, dtype=np.int64))
+            dst, src = self.pack_to_device(np.int64, fill_dst, fill_src)
             input_ids[dst] = self._last_tokens[src]
 
     # -- one step ---------------------------------------------------------------------------------
@@ -165,26 +172,47 @@ class ModelRunner:
         return self._sample(batch, logits)
 
     def _eager(self, batch, ids, pos, slots, q_lens, k_lens, fill_dst, fill_src):
-        width = max(len(s.block_table) for s in batch.seqs)
-        cu_q = np.zeros(len(q_lens) + 1, dtype=np.int32)
+        n = len(q_lens)
+        # A multiple of 16 wide: Triton specializes integer arguments (the table's row stride) on
+        # divisibility by 16, and a width that changed parity from step to step would recompile.
+        width = -(-max(len(s.block_table) for s in batch.seqs) // 16) * 16
+        cu_q = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(q_lens, out=cu_q[1:])
-        cu_k = np.zeros(len(k_lens) + 1, dtype=np.int32)
+        last = cu_q[1:][batch.sample_indices] - 1
+        cu_k = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(k_lens, out=cu_k[1:])
-        cu_q_dev = self.to_device(cu_q)
+        d64 = self.pack_to_device(np.int64, ids, pos, slots, last)
+        d32 = self.pack_to_device(np.int32, cu_q, cu_k, k_lens, self.block_table_array(batch.seqs, width))
+        input_ids, positions, slot_mapping, last_dev = d64
+        cu_q_dev, cu_k_dev, seqlens_k, table = d32
         attn = AttentionBatch(
-            cu_seqlens_q=cu_q_dev, cu_seqlens_k=self.to_device(cu_k),
-            seqlens_k=self.to_device(np.asarray(k_lens, dtype=np.int32)),
+            cu_seqlens_q=cu_q_dev, cu_seqlens_k=cu_k_dev, seqlens_k=seqlens_k,
             max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens), kv_cache=self.kv_cache,
-            slot_mapping=self.to_device(slots), block_table=self.to_device(self.block_table_array(batch.seqs, width)),
-            has_context=any(q != k for q, k in zip(q_lens, k_lens)))
-        input_ids = self.to_device(ids)
+            slot_mapping=slot_mapping, block_table=table.view(n, width), has_context=batch.num_tokens != cu_k[-1])
         self._fill(input_ids, fill_dst, fill_src)
-        hidden = self.model.model(input_ids, self.to_device(pos), attn)
+        hidden = self.model.model(input_ids, positions, attn)
         if not batch.sample_indices:
             return None
-        last = cu_q[1:][batch.sample_indices] - 1
-        rows = hidden if len(last) == hidden.shape[0] else hidden[self.to_device(last.astype(np.int64))]
+        rows = hidden if len(last) == hidden.shape[0] else hidden[last_dev]
         return self.model.compute_logits(rows)
+
+    def pack_to_device(self, dtype, *parts) -> list[torch.Tensor]:
+        """Several host arrays or lists in one pinned buffer and one copy; returns the device views.
+
+        Each part starts 16-byte aligned: Triton specializes pointer arguments on that alignment,
+        and a view that lost it would compile (and run) a slower kernel variant.
+        """
+        align = 16 // np.dtype(dtype).itemsize
+        sizes = [np.size(p) for p in parts]
+        starts, total = [], 0
+        for size in sizes:
+            starts.append(total)
+            total += -(-size // align) * align
+        host = np.empty(max(total, 1), dtype=dtype)
+        for start, size, part in zip(starts, sizes, parts):
+            host[start:start + size] = np.ravel(part) if isinstance(part, np.ndarray) else part
+        dev = self.to_device(host)
+        return [dev[start:start + size] for start, size in zip(starts, sizes)]
 
     def _sample(self, batch: ScheduledBatch, logits) -> StepHandle:
         if logits is None:

@@ -21,7 +21,7 @@ from .sampling_params import SamplingParams
 class SamplingBatch:
     """One step's per-row sampling state, on the logits' device."""
 
-    tensors: SamplingTensors
+    tensors: SamplingTensors | None  # None: every row is greedy (argmax only, nothing to send)
     history: torch.Tensor | None  # [N, L] int64 prompt + output ids, padded by repetition (penalty rows)
     ban_rows: torch.Tensor | None  # [M] rows still under min_tokens ...
     ban_tokens: torch.Tensor | None  # [M] ... and a finish token each must not produce yet
@@ -34,6 +34,9 @@ class SamplingBatch:
         """``histories`` (token ids per row) is read only when some row has a repetition penalty.
         ``to_device`` moves a CPU tensor without blocking the host (pinned, non-blocking copy): a
         blocking copy here would wait for the step in flight and undo async batching."""
+        if all(p.temperature == 0 and p.repetition_penalty == 1.0 and p.logprobs is None and n >= p.min_tokens
+               for p, n in zip(params, num_outputs)):
+            return SamplingBatch(None, None, None, None, [], -1)  # the common offline case
         rows = [dict(temperature=p.temperature, top_k=max(p.top_k, 0), top_p=p.top_p, min_p=p.min_p,
                      repetition_penalty=p.repetition_penalty) for p in params]
         cpu = SamplingTensors.build(rows, "cpu")
@@ -76,8 +79,10 @@ class Sampler:
         logprobs, when a row asked: (the sampled token's ``[N]``, top ids ``[N, k]``, top logprobs
         ``[N, k]``), from the model's distribution before any processing (as vLLM reports them).
         """
-        logits = logits.float()
         st = sb.tensors
+        if st is None:  # argmax of the model's own dtype: exact, and no fp32 copy of [N, V]
+            return logits.argmax(-1), None
+        logits = logits.float()
         raw = logits.log_softmax(-1) if sb.num_logprobs >= 0 else None
         if sb.history is not None:
             seen = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, sb.history, True)

@@ -39,15 +39,18 @@ class ScheduledBatch:
     # they sample one token each.
     sample_indices: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.num_new_tokens)
+    # Counted as sequences are added, so the runner never walks the batch to classify it.
+    num_tokens: int = 0
+    num_decodes: int = 0  # sequences feeding one token with their context already in the cache
 
     @property
     def is_decode(self) -> bool:
         """Every sequence feeds exactly one token and reads its context from the cache."""
-        return all(n == 1 for n in self.num_new_tokens) and all(s.num_computed_tokens > 0 for s in self.seqs)
+        return self.num_decodes == len(self.seqs)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return self.num_tokens - self.num_decodes
 
     def __bool__(self) -> bool:
         return bool(self.seqs)
@@ -102,8 +105,8 @@ class Scheduler:
         self.bm.free(seq)
 
     def _done_by_length(self, seq: Sequence) -> bool:
-        limit = seq.params.max_tokens
-        return len(seq) >= self.max_model_len or (limit is not None and seq.num_output_tokens >= limit)
+        n, limit = len(seq.token_ids), seq.params.max_tokens
+        return n >= self.max_model_len or (limit is not None and n - seq.num_prompt_tokens >= limit)
 
     @property
     def has_unfinished(self) -> bool:
@@ -113,7 +116,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         out = ScheduledBatch()
         budget = self.max_batch_tokens
-        scheduled: set[int] = set()
+        bm = self.bm
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -121,17 +124,16 @@ class Scheduler:
             if self._done_by_length(seq):  # its last token is in flight; nothing left to feed
                 i += 1
                 continue
-            n = min(seq.num_uncomputed_tokens, budget)
-            while not self.bm.can_append(seq, n):
+            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            while bm.num_new_blocks(seq, n) > bm.num_free_blocks:
                 victim = self.running[-1]
                 self._preempt(victim, out)
                 if victim is seq:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 break  # it preempted itself: everything after it is gone too
-            self.bm.allocate(seq, n)
+            bm.allocate(seq, n)
             self._add(out, seq, n)
-            scheduled.add(seq.seq_id)
             budget -= n
             i += 1
 
@@ -154,10 +156,14 @@ class Scheduler:
         return out
 
     def _add(self, out: ScheduledBatch, seq: Sequence, n: int) -> None:
-        if seq.num_computed_tokens + n == len(seq):
+        c = seq.num_computed_tokens
+        if c + n == len(seq.token_ids):
             out.sample_indices.append(len(out.seqs))
+        if n == 1 and c > 0:
+            out.num_decodes += 1
         out.seqs.append(seq)
         out.num_new_tokens.append(n)
+        out.num_tokens += n
 
     def _preempt(self, seq: Sequence, out: ScheduledBatch) -> None:
         self.running.remove(seq)

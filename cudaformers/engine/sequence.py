@@ -42,6 +42,8 @@ class Sequence:
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
         self.params = params
+        # Read for every sampled token: built once rather than per step.
+        self.finish_token_ids: frozenset = params.finish_token_ids()
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.block_table: list[int] = []
