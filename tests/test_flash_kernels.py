@@ -172,3 +172,17 @@ def test_kernels_reject_unsupported_shapes():
     q, k, v = _qkv(4, 4, 3, 2, 16, torch.float32)
     with pytest.raises(ValueError, match="not a multiple"):
         attention_fwd(q, k, v, _cu([4]), _cu([4]), 4, 1.0)
+
+
+def test_paged_decode_never_reads_partials_of_empty_splits(monkeypatch):
+    # A 16k-capacity grid over short contexts leaves most splits without keys; they skip writing their
+    # partial outputs, so the merge must not read them: fresh buffers here are NaN, not zeros.
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan")))
+    k_lens = [1, 30, 7]
+    k_cache, v_cache, table = _paged(k_lens, 2, 16, torch.float32, 4, seed=8)
+    q = torch.randn(len(k_lens), 4, 16, generator=torch.Generator().manual_seed(9))
+    seqlens = torch.tensor(k_lens, dtype=torch.int32)
+    out = paged_decode(q, k_cache, v_cache, seqlens, table, 16384, 0.25, num_splits=8)
+    ref = paged_decode_reference(q, k_cache, v_cache, seqlens, table, 0.25, upcast=True)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

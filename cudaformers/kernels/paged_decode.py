@@ -6,9 +6,14 @@ the cache, so each key byte is read once per step). Long contexts are cut into s
 small batch still fills the GPU; a second kernel merges the splits' partial outputs by their
 logsumexps.
 
+The number of splits is fixed by the grid, but each program sizes its slice from the sequence's
+actual length, on the device: ``cdiv(k_len / splits, BLOCK_N)`` tiles. A graph captured for a
+16k-token capacity therefore spreads a 130-key context over 3 one-tile programs (latency ~ one tile)
+instead of giving all of it to the first split; the splits left without keys only write their
+logsumexp (-inf), and the merge skips their partial outputs.
+
 CUDA-graph capturable: the grid depends only on tensor shapes and the Python int ``max_seqlen_k``
-(the cache capacity during capture), nothing is read back to the host, and programs beyond a
-sequence's length write an empty partial result (logsumexp -inf).
+(the cache capacity during capture), and nothing is read back to the host.
 """
 
 from __future__ import annotations
@@ -22,14 +27,13 @@ import triton.language as tl
 from .flash_attention import attention_reference
 from .flash_attention_fwd import LOG2E, _UPCAST_DOT, _dot, _dot_precision, _kv_rows, block_d, check_inputs, interpreting
 
-MIN_KEYS_PER_SPLIT = 256
 MAX_SPLITS = 64
 
 
 @triton.jit
 def _paged_decode_kernel(
     Q, K, V, O, LSE,  # Q [B, Hq, D]; K/V flattened pages [slots, Hkv, D]; O [B, Hq, S, D]; LSE [B, Hq, S]
-    seqlens_k, block_table, qk_scale, window, keys_per_split,
+    seqlens_k, block_table, qk_scale, window,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_bt,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUPS: tl.constexpr, BLOCK_G: tl.constexpr,
@@ -39,11 +43,15 @@ def _paged_decode_kernel(
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
     k_len = tl.load(seqlens_k + seq)
-    start = split * keys_per_split
-    end = tl.minimum(start + keys_per_split, k_len)
+    lo = 0
     if HAS_WINDOW:  # the query sits at position k_len - 1 and sees keys j > k_len - 1 - window
-        start = tl.maximum(start, k_len - window)
+        lo = tl.maximum(k_len - window, 0)
+    # Whole tiles per split, sized from this sequence's visible keys rather than the grid's capacity.
+    per_split = tl.cdiv(tl.cdiv(k_len - lo, num_splits), BLOCK_N) * BLOCK_N
+    start = lo + split * per_split
+    end = tl.minimum(start + per_split, k_len)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -79,7 +87,10 @@ def _paged_decode_kernel(
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     o_ptrs = O + seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :]
-    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+    o_mask = g_mask[:, None] & d_mask[None, :]
+    if WRITE_LSE:  # an empty split's partial is never read: its logsumexp says so
+        o_mask = o_mask & (~empty)[:, None]
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=o_mask)
     if WRITE_LSE:
         lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
         tl.store(LSE + seq * stride_lb + heads * stride_lh + split, lse, mask=g_mask)
@@ -99,8 +110,10 @@ def _combine_splits_kernel(
     lse = tl.load(LSE + seq * stride_lb + head * stride_lh + offs_s, mask=s_mask, other=float("-inf"))
     m = tl.max(lse, 0)
     weight = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # empty splits weigh 0
+    # Empty splits left their partials unwritten: do not read them (nor pay for the bytes).
+    filled = s_mask & (lse > float("-inf"))
     part_ptrs = O_PART + seq.to(tl.int64) * stride_pb + head * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :]
-    part = tl.load(part_ptrs, mask=s_mask[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+    part = tl.load(part_ptrs, mask=filled[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
     total = tl.sum(weight, 0)
     out = tl.sum(weight[:, None] * part, 0) / tl.where(total > 0.0, total, 1.0)
     tl.store(O + seq.to(tl.int64) * stride_ob + head * stride_oh + offs_d, out.to(O.dtype.element_ty),
@@ -114,11 +127,14 @@ def _sm_count(device_index: int) -> int:
 
 def split_plan(num_seqs: int, num_kv_heads: int, max_seqlen_k: int, device: torch.device,
                block_n: int) -> tuple[int, int]:
-    """``(num_splits, keys_per_split)``: enough programs for ~2 waves, at least 256 keys per split."""
+    """``(num_splits, keys_per_split at full capacity)``: enough programs for ~2 waves, at least one tile each.
+
+    The kernel re-sizes the splits from each sequence's length, so many splits cost a short context
+    only empty programs (no partials written or read), while a long one gets the whole GPU.
+    """
     sms = 4 if interpreting() or device.type != "cuda" else _sm_count(device.index or 0)
     programs = max(1, num_seqs * num_kv_heads)
-    splits = min(triton.cdiv(2 * sms, programs), triton.cdiv(max(max_seqlen_k, 1), MIN_KEYS_PER_SPLIT),
-                 MAX_SPLITS)
+    splits = min(triton.cdiv(2 * sms, programs), triton.cdiv(max(max_seqlen_k, 1), block_n), MAX_SPLITS)
     return _even_splits(max(1, splits), max_seqlen_k, block_n)
 
 
@@ -149,15 +165,15 @@ def paged_decode(q, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k: int,
     bd = block_d(head_dim)
     block_n = 16 if interpreting() else (64 if bd <= 128 else 32)
     if num_splits is None:
-        splits, per_split = split_plan(num_seqs, num_kv_heads, max_seqlen_k, q.device, block_n)
+        splits, _ = split_plan(num_seqs, num_kv_heads, max_seqlen_k, q.device, block_n)
     else:
-        splits, per_split = _even_splits(num_splits, max_seqlen_k, block_n)
+        splits, _ = _even_splits(num_splits, max_seqlen_k, block_n)
     groups = num_heads // num_kv_heads
     meta = dict(HEAD_DIM=head_dim, BLOCK_D=bd, GROUPS=groups, BLOCK_G=max(16, triton.next_power_of_2(groups)),
                 BLOCK_N=block_n, PAGE_SIZE=page_size, HAS_WINDOW=bool(window), PREC=_dot_precision(q.dtype),
                 UPCAST=_UPCAST_DOT, num_warps=4, num_stages=2 if bd > 128 else 3)
     grid = (num_seqs, num_kv_heads, splits)
-    common = (seqlens_k, block_table, scale * LOG2E, window or 0, per_split,
+    common = (seqlens_k, block_table, scale * LOG2E, window or 0,
               q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), block_table.stride(0))
     if splits == 1:  # the only split is the answer: write it straight to the output
         _paged_decode_kernel[grid](q, k, v, out, out, *common, out.stride(0), out.stride(1), 0, 0, 0,
