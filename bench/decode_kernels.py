@@ -1,0 +1,137 @@
+"""Decode-step kernels at qwen3-0.6b shapes: the unfused path vs the fused kernels, timed in CUDA graphs.
+
+    python bench/decode_kernels.py
+
+Each op is captured 100 times into one CUDA graph and replayed, so the times are per launch as a
+graph-replayed decode step sees them (no Python or launch overhead from the host). Rows:
+  * q/k norm + rope: rms_norm(q) + rms_norm(k) + rotary (q, k in place) vs qk_norm_rope, on q/k
+    views of a packed q/k/v projection output;
+  * kv store: index_copy_ x 2 vs the one-launch Triton store;
+  * paged decode at several contexts and graph capacities (generate() captures with its cache
+    capacity, the engine with up to 16k), with the automatic split plan vs a single split.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from cudaformers.kernels.kv_store import store_kv_triton  # noqa: E402
+from cudaformers.kernels.paged_decode import paged_decode, split_plan  # noqa: E402
+from cudaformers.kernels.qk_norm_rope import qk_norm_rope_forward  # noqa: E402
+from cudaformers.kernels.rms_norm import rms_norm  # noqa: E402
+from cudaformers.kernels.rotary import apply_rotary  # noqa: E402
+
+HQ, HKV, D, PAGE, DTYPE, DEV = 16, 8, 128, 16, torch.bfloat16, "cuda"
+REPS = 100
+
+
+def graph_us(fn) -> float:
+    """Microseconds per call of ``fn``, replayed from a CUDA graph of REPS calls."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):  # compile and warm up outside the capture
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(REPS):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(5):
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) * 1000 / REPS)
+    return best
+
+
+def norm_rope_rows(t: int):
+    qkv = torch.randn(t, (HQ + 2 * HKV) * D, device=DEV, dtype=DTYPE)
+    q, k = qkv[:, :HQ * D].view(t, HQ, D), qkv[:, HQ * D:(HQ + HKV) * D].view(t, HKV, D)
+    qw, kw = torch.rand(D, device=DEV, dtype=DTYPE) + 0.5, torch.rand(D, device=DEV, dtype=DTYPE) + 0.5
+    pos = torch.arange(t, device=DEV, dtype=torch.float32) + 130
+    inv = 1.0 / (1e6 ** (torch.arange(0, D, 2, device=DEV).float() / D))
+    emb = torch.cat([pos[:, None] * inv] * 2, -1)
+    cos, sin = emb.cos().to(DTYPE), emb.sin().to(DTYPE)
+
+    def old():
+        apply_rotary(rms_norm(q, qw, 1e-6), rms_norm(k, kw, 1e-6), cos, sin)
+
+    def new():
+        qk_norm_rope_forward(q, k, cos, sin, qw, kw, 1e-6, 1e-6)
+
+    return [(f"q/k norm + rope, T={t}", "3 launches", graph_us(old), "1 launch", graph_us(new))]
+
+
+def kv_store_rows(t: int):
+    blocks = 64
+    k_cache = torch.zeros(blocks, PAGE, HKV, D, device=DEV, dtype=DTYPE)
+    v_cache = torch.zeros_like(k_cache)
+    qkv = torch.randn(t, (HQ + 2 * HKV) * D, device=DEV, dtype=DTYPE)
+    k = qkv[:, HQ * D:(HQ + HKV) * D].view(t, HKV, D)
+    v = qkv[:, (HQ + HKV) * D:].view(t, HKV, D)
+    slots = torch.randperm(blocks * PAGE, device=DEV)[:t]
+    flat_k, flat_v = k_cache.view(-1, HKV, D), v_cache.view(-1, HKV, D)
+
+    def old():
+        flat_k.index_copy_(0, slots, k)
+        flat_v.index_copy_(0, slots, v)
+
+    def new():
+        store_kv_triton(k_cache, v_cache, k, v, slots)
+
+    return [(f"kv store, T={t}", "index_copy x2", graph_us(old), "kv_store", graph_us(new))]
+
+
+def paged_decode_rows(batch: int):
+    rows = []
+    for capacity in (512, 16384):
+        blocks_per_seq = capacity // PAGE
+        k_cache = torch.randn(batch * blocks_per_seq, PAGE, HKV, D, device=DEV, dtype=DTYPE)
+        v_cache = torch.randn_like(k_cache)
+        table = torch.arange(batch * blocks_per_seq, device=DEV, dtype=torch.int32).view(batch, blocks_per_seq)
+        q = torch.randn(batch, HQ, D, device=DEV, dtype=DTYPE)
+        splits, _ = split_plan(batch, HKV, capacity, q.device, 64)
+        for context in (130, 1024, 8192):
+            if context > capacity:
+                continue
+            seqlens = torch.full((batch,), context, device=DEV, dtype=torch.int32)
+
+            def run(num_splits=None):
+                return lambda: paged_decode(q, k_cache, v_cache, seqlens, table, capacity, D ** -0.5,
+                                            num_splits=num_splits)
+
+            rows.append((f"paged decode B={batch} ctx={context} cap={capacity}", "1 split", graph_us(run(1)),
+                         f"{splits} splits (auto)", graph_us(run())))
+    return rows
+
+
+def main() -> None:
+    if not torch.cuda.is_available():
+        raise SystemExit("decode_kernels.py needs a CUDA GPU")
+    torch.manual_seed(0)
+    rows = []
+    with torch.inference_mode():
+        for t in (1, 32):
+            rows += norm_rope_rows(t) + kv_store_rows(t)
+        for batch in (1, 32):
+            rows += paged_decode_rows(batch)
+    print(f"\n{torch.cuda.get_device_name()}  (Hq={HQ}, Hkv={HKV}, D={D}, {str(DTYPE)[6:]}; us per launch, graph replay)")
+    header = ("op", "baseline", "us", "ours", "us", "speedup")
+    table = [header] + [(name, a, f"{ta:.2f}", b, f"{tb:.2f}", f"{ta / tb:.2f}x") for name, a, ta, b, tb in rows]
+    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+    for r in table:
+        print("  ".join(c.ljust(w) if i in (0, 1, 3) else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+
+
+if __name__ == "__main__":
+    main()
