@@ -6,6 +6,11 @@ prepares N+1 while the device still runs N, and N+1's decode inputs (N's samples
 device. A request that finished at step N (EOS, stop) was then also part of N+1; that extra token
 is dropped. Requests whose sampling reads their history (repetition penalty) make the loop wait
 for the read-back first, since their inputs must be on the host.
+
+``step_observer`` (None by default, then nothing is timed) sees each step's phases, for profiling
+(bench/profile_engine.py): ``begin()``, ``scheduled(batch)`` before launch, ``launched(batch,
+graph_size)`` once the step is queued on the device (``graph_size`` None: it ran eagerly),
+``waited(seconds)`` for each blocking read-back, ``end(num_outputs)``.
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ class LLMEngine:
         self._inflight: tuple[ScheduledBatch, list[int], StepHandle] | None = None
         self._num_needs_history = 0
         self._next_id = 0
+        self.step_observer = None
 
     # -- requests ---------------------------------------------------------------------------------
     def new_request_id(self) -> str:
@@ -116,6 +122,9 @@ class LLMEngine:
     # -- the loop ---------------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
         """Run one step; returns the sequences that got a token (finished ones are marked so)."""
+        obs = self.step_observer
+        if obs is not None:
+            obs.begin()
         out: list[Sequence] = []
         if self._inflight is not None and (not self.use_async_batching or self._num_needs_history):
             out += self._read_back(*self._inflight)
@@ -123,18 +132,29 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         launched = None
         if batch:
+            if obs is not None:
+                obs.scheduled(batch)
             handle = self.runner.execute(batch)
             launched = (batch, self.scheduler.on_launched(batch), handle)
+            if obs is not None:
+                obs.launched(batch, self.runner.last_graph_size)
         if self._inflight is not None:
             out += self._read_back(*self._inflight)
         self._inflight = launched
         if self._inflight is not None and not self.use_async_batching:
             out += self._read_back(*self._inflight)
             self._inflight = None
+        if obs is not None:
+            obs.end(len(out))
         return out
 
     def _read_back(self, batch: ScheduledBatch, slots: list[int], handle: StepHandle) -> list[Sequence]:
-        tokens, logprobs = handle.result()
+        if self.step_observer is None:
+            tokens, logprobs = handle.result()
+        else:
+            start = time.perf_counter()
+            tokens, logprobs = handle.result()
+            self.step_observer.waited(time.perf_counter() - start)
         out = []
         for row, (i, slot) in enumerate(zip(batch.sample_indices, slots)):
             seq = batch.seqs[i]

@@ -2,7 +2,7 @@
 
 A step is a flat batch of tokens (decodes and prefill chunks together). The runner turns the
 scheduler's sequences into device tensors (ids, positions, slot mapping, block table, sequence
-lengths) with one pinned copy each, runs ``model.model(ids, positions, batch)``, computes logits
+lengths) with one pinned copy per dtype, runs ``model.model(ids, positions, batch)``, computes logits
 only for the rows that sample, and samples on the device. The sampled ids stay on the device so
 the next step can read a decode input the host has not seen yet (async batching); a
 non-blocking copy brings them to the host. Pure-decode steps replay a CUDA graph captured per
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,7 +26,7 @@ from .cache_sizing import plan_num_blocks
 from .cuda_graph import DecodeGraphs
 from .sampler import Sampler, SamplingBatch
 from .scheduler import ScheduledBatch
-from .sequence import PLACEHOLDER
+from .sequence import PLACEHOLDER, Sequence
 
 logger = logging.getLogger("cudaformers")
 
@@ -87,6 +88,7 @@ class ModelRunner:
         self._last_tokens: torch.Tensor | None = None  # sampled ids of the last launched step
         self._last_rows: dict[int, int] = {}  # seq_id -> row in _last_tokens
         self.graphs: DecodeGraphs | None = None
+        self.last_graph_size: int | None = None  # the graph bucket the last step replayed (None: eager)
         graph_safe = all(getattr(layer.backend, "graph_safe", False) for layer in model.attention_layers())
         if use_cuda_graph is None:
             use_cuda_graph = self.is_cuda and graph_safe
@@ -102,6 +104,44 @@ class ModelRunner:
                 raise UnsupportedError(f"use_cuda_graph=True needs a CUDA model; this one is on {self.device}")
             self.graphs = DecodeGraphs(self)
             self.graphs.capture()
+        if self.is_cuda:
+            self.warm_up_mixed_step()
+
+    @torch.inference_mode()
+    def warm_up_mixed_step(self) -> None:
+        """Run one step that mixes a prefill chunk with decodes, as a busy engine does.
+
+        Such a step reads keys through the block table, a kernel variant that neither the cache
+        sizing (a plain prefill) nor graph capture (decode) compiles. Left to the first real mixed
+        step, its compilation and autotuning (seconds) would stall every running request. The
+        chunk is as large as a step allows, so the autotuner picks tiles for the shape that counts.
+        Writes only into blocks no request holds yet (the cache is empty at start).
+        """
+        from .sampling_params import SamplingParams
+
+        start = time.perf_counter()
+        bs, params = self.block_size, SamplingParams(temperature=0)
+        num_decodes = min(self.max_num_seqs - 1, 64)
+        context = min(bs, self.num_blocks * bs // 2, self.max_model_len // 2)
+        chunk = max(2, min(self.max_batch_tokens - num_decodes, (self.num_blocks - 1) * bs - context,
+                           self.max_model_len - context))
+        blocks = list(range(-(-(context + chunk) // bs)))
+        batch = ScheduledBatch()
+        for i in range(1 + num_decodes):
+            n = chunk if i == 0 else 1
+            seq = Sequence(f"warm-up-{i}", [0] * (context + n), params)
+            seq.block_table = blocks if i == 0 else blocks[:-(-(context + 1) // bs)]
+            seq.num_computed_tokens = context
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            batch.sample_indices.append(i)
+            batch.num_tokens += n
+            batch.num_decodes += n == 1
+        self._eager(batch, *self.prepare(batch))
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)
+        logger.info("warmed up mixed prefill + decode steps (%d + %d tokens) in %.1f s", chunk, num_decodes,
+                    time.perf_counter() - start)
 
     # -- host -> device ---------------------------------------------------------------------------
     def to_device(self, array: np.ndarray) -> torch.Tensor:
@@ -165,6 +205,7 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> StepHandle:
         ids, pos, slots, q_lens, k_lens, fill_dst, fill_src = self.prepare(batch)
         graph_bs = self.graphs.bucket(batch, max(k_lens)) if self.graphs is not None else None
+        self.last_graph_size = graph_bs
         if graph_bs is not None:
             logits = self.graphs.replay(graph_bs, batch, ids, pos, slots, k_lens, fill_dst, fill_src)
         else:
