@@ -109,22 +109,36 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up_mixed_step(self) -> None:
-        """Run one step that mixes a prefill chunk with decodes, as a busy engine does.
+        """Run steps that mix a prefill chunk with decodes, as a busy engine does.
 
         Such a step reads keys through the block table, a kernel variant that neither the cache
         sizing (a plain prefill) nor graph capture (decode) compiles. Left to the first real mixed
         step, its compilation and autotuning (seconds) would stall every running request. The
         chunk is as large as a step allows, so the autotuner picks tiles for the shape that counts.
+        Two steps: one whose token count is a multiple of 16 and one whose is not, since Triton
+        compiles a variant per divisibility of integer arguments that follow the token count.
         Writes only into blocks no request holds yet (the cache is empty at start).
         """
-        from .sampling_params import SamplingParams
-
         start = time.perf_counter()
-        bs, params = self.block_size, SamplingParams(temperature=0)
+        bs = self.block_size
         num_decodes = min(self.max_num_seqs - 1, 64)
         context = min(bs, self.num_blocks * bs // 2, self.max_model_len // 2)
         chunk = max(2, min(self.max_batch_tokens - num_decodes, (self.num_blocks - 1) * bs - context,
                            self.max_model_len - context))
+        aligned = chunk - (chunk + num_decodes) % 16
+        sizes = [aligned, aligned - 1] if aligned >= 3 else [chunk]
+        for n in sizes:
+            self._eager(*self._warm_up_batch(n, context, num_decodes))
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)
+        logger.info("warmed up mixed prefill + decode steps (%s + %d tokens) in %.1f s", sizes, num_decodes,
+                    time.perf_counter() - start)
+
+    def _warm_up_batch(self, chunk: int, context: int, num_decodes: int):
+        """A chunk of ``chunk`` tokens after ``context`` cached ones, beside decodes reading the same blocks."""
+        from .sampling_params import SamplingParams
+
+        bs, params = self.block_size, SamplingParams(temperature=0)
         blocks = list(range(-(-(context + chunk) // bs)))
         batch = ScheduledBatch()
         for i in range(1 + num_decodes):
@@ -137,11 +151,7 @@ class ModelRunner:
             batch.sample_indices.append(i)
             batch.num_tokens += n
             batch.num_decodes += n == 1
-        self._eager(batch, *self.prepare(batch))
-        if self.is_cuda:
-            torch.cuda.synchronize(self.device)
-        logger.info("warmed up mixed prefill + decode steps (%d + %d tokens) in %.1f s", chunk, num_decodes,
-                    time.perf_counter() - start)
+        return (batch, *self.prepare(batch))
 
     # -- host -> device ---------------------------------------------------------------------------
     def to_device(self, array: np.ndarray) -> torch.Tensor:
