@@ -103,7 +103,7 @@ def summarize(rows, seconds, out_tokens, kv_bytes_per_token, cuda):
                   f"{sum(r['host'] for r in sel):>8.2f} {sum(r['decode'] for r in sel):>8} "
                   f"{sum(r['prefill'] for r in sel):>8} {ms(wall / len(sel)):>12}")
 
-    print(f"\npure decode steps by batch size: GPU ms, KV read bandwidth, host ms (wall minus read-back wait)")
+    print("\npure decode steps by batch size: GPU ms, KV read bandwidth, host ms (wall minus read-back wait)")
     print(f"{'batch':<10} {'steps':>6} {'GPU ms':>8} {'KV GB/s':>8} {'host ms':>8} {'wall ms':>8} {'graph':>6}")
     for lo, hi in BUCKETS:
         sel = [r for r in rows if kind(r).startswith("decode") and lo <= r["seqs"] <= hi]
