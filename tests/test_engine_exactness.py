@@ -193,3 +193,15 @@ def test_decode_graph_buffers_give_the_same_tokens(use_async):
         assert s.output_token_ids == reference("qwen3", tuple(p), 20)
     assert graphs.sizes == [1, 2, 4, 6]
     assert any(b > n for b, n in replays) and any(b == n for b, n in replays)  # padded and exact buckets
+
+
+def test_triton_attention_mixed_steps_match_generate():
+    # Chunked prefill beside decodes: the triton backend runs decode rows through its decode kernel
+    # and the chunks through the prefill kernel (Triton's interpreter on CPU).
+    folder = tiny.checkpoint("qwen3")
+    triton_model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="triton")
+    engine = LLMEngine(triton_model, num_blocks=64, block_size=4, max_batch_tokens=9, max_num_seqs=4)
+    ps = prompts([6, 19, 3, 11], seed=5)
+    outs = run(engine, ps, max_tokens=6)
+    for p, out in zip(ps, outs):
+        assert out.output_token_ids == reference("qwen3", tuple(p), 6)

@@ -30,6 +30,9 @@ class AttentionBatch:
     # True when some sequence has keys in the cache beyond its new tokens (decode, chunked prefill,
     # prefix-cache hits): attention must read the cache instead of the step's own k/v.
     has_context: bool = False
+    # The first ``num_decode_seqs`` sequences have one query each with their context in the cache
+    # (the engine orders decodes first), so a backend can run them through its decode kernel.
+    num_decode_seqs: int = 0
 
     @property
     def num_seqs(self) -> int:
@@ -86,5 +89,6 @@ class AttentionBatch:
             move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
             cache[device] = AttentionBatch(
                 move(self.cu_seqlens_q), move(self.cu_seqlens_k), move(self.seqlens_k), self.max_seqlen_q,
-                self.max_seqlen_k, self.kv_cache, move(self.slot_mapping), move(self.block_table), self.has_context)
+                self.max_seqlen_k, self.kv_cache, move(self.slot_mapping), move(self.block_table), self.has_context,
+                self.num_decode_seqs)
         return cache[device]

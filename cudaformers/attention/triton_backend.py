@@ -63,15 +63,26 @@ class TritonAttention(AttentionBackend):
             raise UnsupportedError(
                 "the triton backend has no backward through the KV cache; run training forwards "
                 "without a cache (or under torch.no_grad() for generation)")
-        if batch.max_seqlen_q == 1:
-            from ..kernels.paged_decode import paged_decode
+        from ..kernels.paged_decode import paged_decode
 
+        if batch.max_seqlen_q == 1:
             return paged_decode(q, k_cache, v_cache, batch.seqlens_k, batch.block_table, batch.max_seqlen_k,
                                 scale, window)
         from ..kernels.flash_attention_fwd import attention_fwd
 
-        out, _ = attention_fwd(q, k_cache, v_cache, batch.cu_seqlens_q, batch.cu_seqlens_k, batch.max_seqlen_q,
-                               scale, window, block_table=batch.block_table)
+        d = batch.num_decode_seqs
+        if d == 0:
+            out, _ = attention_fwd(q, k_cache, v_cache, batch.cu_seqlens_q, batch.cu_seqlens_k, batch.max_seqlen_q,
+                                   scale, window, block_table=batch.block_table)
+            return out
+        # A mixed step: the leading single-query rows through the decode kernel (one program per KV
+        # head, not a mostly-empty query tile per head), the prefill chunks through the prefill kernel.
+        out = torch.empty_like(q)
+        out[:d] = paged_decode(q[:d], k_cache, v_cache, batch.seqlens_k[:d], batch.block_table[:d],
+                               batch.max_seqlen_k, scale, window)
+        cu_k = batch.cu_seqlens_k[d:]
+        out[d:], _ = attention_fwd(q[d:], k_cache, v_cache, batch.cu_seqlens_q[d:] - d, cu_k - cu_k[0],
+                                   batch.max_seqlen_q, scale, window, block_table=batch.block_table[d:])
         return out
 
 

@@ -239,7 +239,8 @@ class ModelRunner:
         attn = AttentionBatch(
             cu_seqlens_q=cu_q_dev, cu_seqlens_k=cu_k_dev, seqlens_k=seqlens_k,
             max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens), kv_cache=self.kv_cache,
-            slot_mapping=slot_mapping, block_table=table.view(n, width), has_context=batch.num_tokens != cu_k[-1])
+            slot_mapping=slot_mapping, block_table=table.view(n, width), has_context=batch.num_tokens != cu_k[-1],
+            num_decode_seqs=batch.num_decodes)
         self._fill(input_ids, fill_dst, fill_src)
         hidden = self.model.model(input_ids, positions, attn)
         if not batch.sample_indices:

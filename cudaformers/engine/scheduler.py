@@ -153,7 +153,7 @@ class Scheduler:
             self.running.append(seq)
             self._add(out, seq, n)
             budget -= n
-        return out
+        return _decodes_first(out)
 
     def _add(self, out: ScheduledBatch, seq: Sequence, n: int) -> None:
         c = seq.num_computed_tokens
@@ -188,3 +188,17 @@ class Scheduler:
             slots.append(len(seq.token_ids))
             seq.token_ids.append(PLACEHOLDER)
         return slots
+
+
+def _decodes_first(out: ScheduledBatch) -> ScheduledBatch:
+    """Puts single-token decodes ahead of prefill chunks (stable), so attention can run the decode
+    rows of a mixed step through the decode kernel and only the chunks through the prefill kernel."""
+    if out.num_decodes in (0, len(out.seqs)):
+        return out
+    is_decode = [n == 1 and seq.num_computed_tokens > 0 for seq, n in zip(out.seqs, out.num_new_tokens)]
+    order = [i for i, d in enumerate(is_decode) if d] + [i for i, d in enumerate(is_decode) if not d]
+    new_index = {old: new for new, old in enumerate(order)}
+    out.seqs = [out.seqs[i] for i in order]
+    out.num_new_tokens = [out.num_new_tokens[i] for i in order]
+    out.sample_indices = sorted(new_index[i] for i in out.sample_indices)
+    return out
