@@ -8,8 +8,8 @@ export PYTHONPATH="${PYTHONPATH:-$PWD}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELIS
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT="${OUT:-out}"; mkdir -p "$OUT"
 parts=("$@"); [ ${#parts[@]} -eq 0 ] && parts=(generate train engine kernels-tests kernels-bench decode-profile)
-run() {  # name, seconds, command...
-  local name=$1 limit=$2; shift 2
+run() {  # name, seconds (LIMIT_<name> overrides), command...
+  local name=$1 var="LIMIT_${1//-/_}"; local limit=${!var:-$2}; shift 2
   echo "=== $name (limit ${limit}s)"
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "=== $name exit $?"
   grep -v '^JSON\|it/s]\|Writing model shards\|Loading weights' "$OUT/$name.log" | tail -n 25
@@ -25,6 +25,8 @@ for part in "${parts[@]}"; do
     kernels-bench) run kernels-bench 60 python3 bench/kernels.py ;;
     decode-profile) run decode-profile 60 python3 bench/profile_decode.py --attn triton --kernels ;;
     decode-kernels) run decode-kernels 40 python3 bench/decode_kernels.py ;;
+    fusion-tests) run fusion-tests 90 python3 -m pytest -q -m gpu -p no:cacheprovider \
+                    tests/gpu/test_decode_fusion_gpu.py tests/gpu/test_kernels_gpu.py ;;
     *) echo "unknown part $part" ;;
   esac
 done
