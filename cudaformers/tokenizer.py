@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 import logging
 import os
-from datetime import datetime
-from functools import lru_cache
 from pathlib import Path
 
+from .chat_template import compile_template
+from .detokenize import DetokenizeStream, as_list  # noqa: F401  (DetokenizeStream is public here too)
 from .errors import CheckpointError, UnsupportedError
 
 logger = logging.getLogger("cudaformers")
@@ -44,38 +44,6 @@ def _token_str(value) -> str | None:
     if isinstance(value, dict):
         return value.get("content")
     return None if value is None else str(value)
-
-
-@lru_cache(maxsize=16)
-def _compile_template(source: str):
-    import jinja2
-    from jinja2.ext import Extension, loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class Generation(Extension):
-        # {% generation %}...{% endgeneration %} marks assistant text for training masks; rendering keeps it.
-        tags = {"generation"}
-
-        def parse(self, parser):
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
-
-        def _body(self, caller):
-            return caller()
-
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        # jinja's own tojson HTML-escapes; templates are written against this plain json.dumps.
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(source)
 
 
 class Tokenizer:
@@ -250,7 +218,7 @@ class Tokenizer:
         if isinstance(ids, int) or getattr(ids, "ndim", 1) == 0:
             return self._backend.id_to_token(int(ids))
         skip = set(self.all_special_ids) if skip_special_tokens else set()
-        return [self._backend.id_to_token(int(i)) for i in _as_list(ids) if int(i) not in skip]
+        return [self._backend.id_to_token(int(i)) for i in as_list(ids) if int(i) not in skip]
 
     def add_tokens(self, tokens: str | list[str], special_tokens: bool = False) -> int:
         from tokenizers import AddedToken
@@ -358,7 +326,7 @@ class Tokenizer:
     def decode(self, token_ids, skip_special_tokens: bool = False, clean_up_tokenization_spaces: bool | None = None,
                **_) -> str:
         ids = [int(token_ids)] if isinstance(token_ids, int) or getattr(token_ids, "ndim", 1) == 0 \
-            else [int(i) for i in _as_list(token_ids)]
+            else [int(i) for i in as_list(token_ids)]
         text = self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
         clean = self.clean_up_tokenization_spaces if clean_up_tokenization_spaces is None \
             else clean_up_tokenization_spaces
@@ -370,7 +338,7 @@ class Tokenizer:
         return text
 
     def batch_decode(self, sequences, skip_special_tokens: bool = False, **kwargs) -> list[str]:
-        return [self.decode(seq, skip_special_tokens=skip_special_tokens, **kwargs) for seq in _as_list(sequences)]
+        return [self.decode(seq, skip_special_tokens=skip_special_tokens, **kwargs) for seq in as_list(sequences)]
 
     # -- chat templates -------------------------------------------------------------------------------
     def get_chat_template(self, chat_template: str | None = None, tools=None) -> str:
@@ -408,7 +376,7 @@ class Tokenizer:
             raise ValueError("cannot apply a chat template to an empty conversation")
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt exclude each other")
-        compiled = _compile_template(template)
+        compiled = compile_template(template)
         context = {**self.special_tokens_map, **template_kwargs}
         rendered = []
         for conv in conversations:
@@ -459,10 +427,6 @@ for _name in SPECIAL_TOKEN_NAMES:
     setattr(Tokenizer, f"{_name}_id", _id_prop)
 
 
-def _as_list(value) -> list:
-    return value.tolist() if hasattr(value, "tolist") else list(value)
-
-
 def _to_tensors(out: BatchEncoding, kind: str) -> BatchEncoding:
     lengths = {len(x) for x in out["input_ids"]}
     if len(lengths) > 1:
@@ -476,49 +440,6 @@ def _to_tensors(out: BatchEncoding, kind: str) -> BatchEncoding:
 
         return BatchEncoding({k: np.asarray(v, dtype=np.int64).reshape(len(v), -1) for k, v in out.items()})
     raise UnsupportedError(f"return_tensors={kind!r} is not supported; use 'pt', 'np' or None")
-
-
-class DetokenizeStream:
-    """Incremental detokenization: feed generated ids, get the text they add once it is printable.
-
-    A token can end inside a multi-byte UTF-8 character (byte-level and byte-fallback vocabularies
-    split emoji and CJK across tokens) and sentencepiece decoders drop a leading space at the start of
-    a decode. So each step decodes a short window of recent ids and emits only the text past what that
-    window already showed, holding it back while it ends in an incomplete character.
-    """
-
-    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True, prompt_ids=None):
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
-        # A few prompt tokens give the first generated token its left context (leading spaces).
-        self._ids: list[int] = [int(i) for i in _as_list(prompt_ids)[-4:]] if prompt_ids is not None else []
-        self._prefix = 0                 # window start
-        self._read = len(self._ids)      # ids before this were emitted
-        self.text = ""
-
-    def _decode(self, ids) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
-
-    def put(self, token_ids) -> str:
-        """Add one id or a list of ids; return the newly printable text ('' when none yet)."""
-        self._ids.extend([int(token_ids)] if isinstance(token_ids, int) else [int(i) for i in _as_list(token_ids)])
-        shown = self._decode(self._ids[self._prefix:self._read])
-        full = self._decode(self._ids[self._prefix:])
-        if len(full) <= len(shown) or full.endswith("\ufffd"):
-            return ""
-        new = full[len(shown):]
-        self._prefix, self._read = self._read, len(self._ids)
-        self.text += new
-        return new
-
-    def end(self) -> str:
-        """The text still held back (an incomplete character at the end of generation)."""
-        full = self._decode(self._ids[self._prefix:])
-        shown = self._decode(self._ids[self._prefix:self._read])
-        new = full[len(shown):] if len(full) > len(shown) else ""
-        self._prefix = self._read = len(self._ids)
-        self.text += new
-        return new
 
 
 class AutoTokenizer:
