@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 import uuid
 
-from ..tokenizer import DetokenizeStream
+from ..detokenize import DetokenizeStream
 from .openai_protocol import GenerationRequest
 from .server_engine import Update
 

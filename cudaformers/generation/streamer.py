@@ -5,7 +5,7 @@ from __future__ import annotations
 import queue
 import sys
 
-from ..tokenizer import DetokenizeStream
+from ..detokenize import DetokenizeStream
 
 
 class BaseStreamer:
