@@ -44,7 +44,10 @@ class DecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(hidden, cos, sin, batch)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return self.feed_forward(hidden), residual
+
+    def feed_forward(self, hidden):
+        return self.mlp(hidden)
 
 
 class LlamaModel(nn.Module):

@@ -20,18 +20,11 @@ class MixtralDecoderLayer(DecoderLayer):
         self.block_sparse_moe = self._modules.pop("mlp")  # the checkpoints' name for the block
         self.jitter_noise = float(getattr(config, "router_jitter_noise", 0.0) or 0.0)
 
-    def forward(self, hidden, residual, cos, sin, batch):
+    def feed_forward(self, hidden):
         if self.training and self.jitter_noise > 0:
             raise UnsupportedError("router_jitter_noise > 0 (random router input noise in training) is not "
                                    "supported; set config.router_jitter_noise = 0")
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, cos, sin, batch)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.block_sparse_moe(hidden), residual
+        return self.block_sparse_moe(hidden)
 
 
 class MixtralModel(LlamaModel):
