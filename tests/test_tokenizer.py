@@ -76,7 +76,9 @@ def folder(request, tmp_path_factory):
 
     path = tmp_path_factory.mktemp(request.param)
     if request.param == "smollm2":
-        HFAutoTokenizer.from_pretrained(SMOL_DIR, gguf_file=SMOL_NAME).save_pretrained(path)
+        from gguf_oracle import hf_gguf_tokenizer
+
+        hf_gguf_tokenizer(SMOL_DIR, SMOL_NAME).save_pretrained(path)
     else:
         backend, kwargs = _byte_level_bpe() if request.param == "byte_level" else _llama_style_bpe()
         PreTrainedTokenizerFast(tokenizer_object=backend, **kwargs).save_pretrained(path)
