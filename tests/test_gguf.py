@@ -245,12 +245,16 @@ def test_sentencepiece_gguf_tokenizer_matches_transformers(tmp_path):
 
     texts = ["hello world", "the cat sat on the mat", "  the  cat ", "Hello, World!", "déjà héllo", "日本 🤖",
              "<s>the</s>", "\n\tmixed whitespace\n", ""]
-    if tuple(int(x) for x in transformers.__version__.split(".")[:2]) < (5, 24):
-        texts.remove("  the  cat ")  # older transformers split whitespace runs of llama GGUF vocabularies differently
+    legacy_oracle = tuple(int(x) for x in transformers.__version__.split(".")[:2]) < (5, 24)
+    if legacy_oracle:
+        # Older transformers build llama GGUF vocabularies with the legacy prefix-space rules (runs of
+        # spaces, text right after a special token); 5.24 follows the file as we do.
+        texts = [t for t in texts if t not in ("  the  cat ", "<s>the</s>")]
     for text in texts:
         ids = ours(text)["input_ids"]
         assert ids == ref(text)["input_ids"], text
         for skip in (False, True):
             assert ours.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip), text
     chat = [{"role": "user", "content": "hello world"}]
-    assert ours.apply_chat_template(chat) == ref.apply_chat_template(chat, return_dict=False)
+    if not legacy_oracle:  # the rendered chat puts text right after <s>: see above
+        assert ours.apply_chat_template(chat) == ref.apply_chat_template(chat, return_dict=False)
