@@ -106,3 +106,16 @@ def test_gradient_checkpointing_gives_same_gradients():
         model(ids, labels=ids).loss.backward()
         grads.append(model.model.layers[0].mlp.up_proj.weight.grad)
     torch.testing.assert_close(grads[0], grads[1])
+
+
+def test_each_forward_starts_with_a_fresh_batch_memo():
+    # Backends memoize per-step tensors (slots, masks) on the batch; a batch refilled in place
+    # between forwards (warm-up then CUDA-graph capture) must not see the previous step's values.
+    from cudaformers.attention.metadata import AttentionBatch
+
+    model = AutoModelForCausalLM.from_pretrained(tiny.checkpoint("llama"))
+    batch = AttentionBatch.from_seqlens([5], "cpu")
+    batch.memo("stale", lambda: "old")
+    with torch.no_grad():
+        model(torch.randint(3, 211, (5,)), positions=torch.arange(5), batch=batch)
+    assert batch.memo("stale", lambda: "new") == "new"

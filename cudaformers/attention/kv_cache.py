@@ -62,13 +62,19 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     flat_v.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
-def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, max_len: int):
-    """Keys of each sequence, padded: ``[B, max_len, Hkv, D]`` read through ``block_table``.
+def gather_slots(block_table: torch.Tensor, block_size: int, max_len: int) -> torch.Tensor:
+    """Cache slot of every position ``< max_len`` of each sequence: ``[B, max_len]`` int64."""
+    pos = torch.arange(max_len, device=block_table.device)
+    blocks = block_table[:, (pos // block_size).clamp(max=block_table.shape[1] - 1)].long()
+    return blocks * block_size + (pos % block_size)[None]
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, max_len: int, slots: torch.Tensor | None = None):
+    """Keys of each sequence, padded: ``[B, max_len, Hkv, D]`` read through ``block_table``
+    (or through precomputed ``slots`` from ``gather_slots``).
 
     Fixed shapes and no host reads, so decode steps that use it can be captured in a CUDA graph.
     """
-    bs = cache.shape[1]
-    pos = torch.arange(max_len, device=block_table.device)
-    blocks = block_table[:, (pos // bs).clamp(max=block_table.shape[1] - 1)].long()  # [B, max_len]
-    slots = blocks * bs + (pos % bs)[None]
+    if slots is None:
+        slots = gather_slots(block_table, cache.shape[1], max_len)
     return cache.view(-1, *cache.shape[2:])[slots]

@@ -79,6 +79,18 @@ class AttentionBatch:
             has_context=any(k != q for q, k in zip(q_lens, k_lens)),
         )
 
+    def memo(self, key, build):
+        """A value derived from this batch (slots, masks), built once per forward and shared by every
+        layer. The model clears it at the start of each forward, so a batch whose buffers are
+        refilled in place (warm-up, then CUDA-graph capture) never sees a stale value."""
+        store = self.__dict__.setdefault("_memo", {})
+        if key not in store:
+            store[key] = build()
+        return store[key]
+
+    def clear_memo(self) -> None:
+        self.__dict__.pop("_memo", None)
+
     def to(self, device) -> "AttentionBatch":
         """This batch with its tensors on ``device`` (layers spread over several devices)."""
         device = torch.device(device)

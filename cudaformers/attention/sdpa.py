@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .kv_cache import gather_kv
+from .kv_cache import gather_kv, gather_slots
 from .registry import AttentionBackend, register
 
 
@@ -47,6 +47,8 @@ class SdpaAttention(AttentionBackend):
 
     def _run(self, q, k, v, mask, scale, is_causal=False):
         groups = q.shape[1] // k.shape[1]
+        if groups > 1 and mask is None:  # flash handles GQA itself; with a mask, kernels may not
+            return F.scaled_dot_product_attention(q, k, v, scale=scale, is_causal=is_causal, enable_gqa=True)
         if groups > 1:
             k = k.repeat_interleave(groups, dim=1)
             v = v.repeat_interleave(groups, dim=1)
@@ -69,11 +71,13 @@ class SdpaAttention(AttentionBackend):
 
     def with_cache(self, q, k_cache, v_cache, batch, scale, window):
         max_k = batch.max_seqlen_k
-        kp = gather_kv(k_cache, batch.block_table, max_k).to(q.dtype).transpose(1, 2)
-        vp = gather_kv(v_cache, batch.block_table, max_k).to(q.dtype).transpose(1, 2)
         cu, max_q = batch.cu_seqlens_q, batch.max_seqlen_q
-        q_lens = cu[1:] - cu[:-1]
-        mask = _padded_mask(q_lens, batch.seqlens_k, max_q, max_k, window)
+        slots = batch.memo(("sdpa slots", max_k, k_cache.shape[1]),
+                           lambda: gather_slots(batch.block_table, k_cache.shape[1], max_k))
+        kp = gather_kv(k_cache, batch.block_table, max_k, slots).to(q.dtype).transpose(1, 2)
+        vp = gather_kv(v_cache, batch.block_table, max_k, slots).to(q.dtype).transpose(1, 2)
+        mask = batch.memo(("sdpa mask", max_q, max_k, window),
+                          lambda: _padded_mask(cu[1:] - cu[:-1], batch.seqlens_k, max_q, max_k, window))
         if max_q == 1:
             out = self._run(q[:, None].transpose(1, 2), kp, vp, mask, scale)  # [B, H, 1, D]
             return out[:, :, 0]

@@ -64,6 +64,7 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch) -> torch.Tensor:
         """input_ids, positions ``[T]`` (a flat batch described by ``batch``) -> hidden ``[T, H]``."""
+        batch.clear_memo()
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, hidden.dtype)
         residual = None
