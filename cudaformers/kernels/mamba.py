@@ -5,7 +5,12 @@ last ``K - 1`` inputs (zeros for a fresh sequence), so prefill and one-token dec
 ``selective_scan``: the selective state-space recurrence ``h_t = exp(A dt_t) h_{t-1} + dt_t B_t u_t``,
 ``y_t = C_t h_t + D u_t``, gated by ``silu(z_t)``; one program owns a block of channels and walks the
 sequence with its ``[channels, N]`` fp32 state in registers. Both return the state to continue from.
-The kernels are forward-only: training uses the references (autograd through PyTorch ops).
+
+Both are differentiable (``torch.autograd.Function``s, used when an input requires grad). The conv
+backward recomputes the pre-activation, then a second launch correlates the output gradient with the
+taps. The scan backward recomputes the forward: a first pass stores the state at every chunk of
+``_SCAN_CHUNK`` steps, then chunks are walked in reverse, each re-run forward into a small per-program
+buffer and then stepped backward through time, so memory is ``O(L / chunk)`` states, not ``O(L)``.
 """
 
 from __future__ import annotations
@@ -57,6 +62,19 @@ def selective_scan_reference(u, delta, A, B, C, D=None, z=None, delta_bias=None,
 # -- causal conv1d ---------------------------------------------------------------------------------
 
 @triton.jit
+def _conv_tap(x_ptr, s_ptr, b, cs, ls, cmask, C, L, j, HAS_STATE: tl.constexpr, K: tl.constexpr):
+    """[BC, BL] fp32: the input that tap j multiplies at outputs ls (from the state where before x)."""
+    src = ls - (K - 1) + j
+    xv = tl.load(x_ptr + b * C * L + cs[:, None] * L + src[None, :],
+                 mask=cmask[:, None] & (src[None, :] >= 0) & (src[None, :] < L), other=0.0).to(tl.float32)
+    if HAS_STATE:
+        sv = tl.load(s_ptr + b * C * (K - 1) + cs[:, None] * (K - 1) + (src[None, :] + K - 1),
+                     mask=cmask[:, None] & (src[None, :] < 0) & (src[None, :] >= -(K - 1)), other=0.0)
+        xv += sv.to(tl.float32)
+    return xv
+
+
+@triton.jit
 def _conv1d_fwd(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, C, L, HAS_BIAS: tl.constexpr, HAS_STATE: tl.constexpr,
                 SILU: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, BL: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
@@ -66,14 +84,7 @@ def _conv1d_fwd(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, C, L, HAS_BIAS: tl.constexpr,
     acc = tl.zeros([BC, BL], dtype=tl.float32)
     for j in tl.static_range(K):
         w = tl.load(w_ptr + cs * K + j, mask=cmask, other=0.0).to(tl.float32)
-        src = ls - (K - 1) + j  # input position read by tap j; negative: from the state
-        xv = tl.load(x_ptr + b * C * L + cs[:, None] * L + src[None, :],
-                     mask=cmask[:, None] & (src[None, :] >= 0) & (src[None, :] < L), other=0.0).to(tl.float32)
-        if HAS_STATE:
-            sv = tl.load(s_ptr + b * C * (K - 1) + cs[:, None] * (K - 1) + (src[None, :] + K - 1),
-                         mask=cmask[:, None] & (src[None, :] < 0) & (src[None, :] >= -(K - 1)), other=0.0)
-            xv += sv.to(tl.float32)
-        acc += w[:, None] * xv
+        acc += w[:, None] * _conv_tap(x_ptr, s_ptr, b, cs, ls, cmask, C, L, j, HAS_STATE, K)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cs, mask=cmask, other=0.0).to(tl.float32)[:, None]
     if SILU:
@@ -82,19 +93,119 @@ def _conv1d_fwd(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, C, L, HAS_BIAS: tl.constexpr,
              mask=cmask[:, None] & (ls[None, :] < L))
 
 
+@triton.jit
+def _conv1d_bwd_act(x_ptr, w_ptr, b_ptr, s_ptr, dy_ptr, g_ptr, dw_ptr, db_ptr, C, L, HAS_BIAS: tl.constexpr,
+                    HAS_STATE: tl.constexpr, SILU: tl.constexpr, K: tl.constexpr, BC: tl.constexpr,
+                    BL: tl.constexpr):
+    """g = dy * act'(pre) (fp32, stored for the input gradient); this tile's share of dw and db."""
+    b = tl.program_id(0).to(tl.int64)
+    cs = tl.program_id(1) * BC + tl.arange(0, BC)
+    ls = tl.program_id(2) * BL + tl.arange(0, BL)
+    cmask = cs < C
+    tile = cmask[:, None] & (ls[None, :] < L)
+    g = tl.load(dy_ptr + b * C * L + cs[:, None] * L + ls[None, :], mask=tile, other=0.0).to(tl.float32)
+    if SILU:  # recompute the pre-activation; silu'(a) = s (1 + a (1 - s))
+        pre = tl.zeros([BC, BL], dtype=tl.float32)
+        for j in tl.static_range(K):
+            w = tl.load(w_ptr + cs * K + j, mask=cmask, other=0.0).to(tl.float32)
+            pre += w[:, None] * _conv_tap(x_ptr, s_ptr, b, cs, ls, cmask, C, L, j, HAS_STATE, K)
+        if HAS_BIAS:
+            pre += tl.load(b_ptr + cs, mask=cmask, other=0.0).to(tl.float32)[:, None]
+        sig = tl.sigmoid(pre)
+        g = g * sig * (1.0 + pre * (1.0 - sig))
+    tl.store(g_ptr + b * C * L + cs[:, None] * L + ls[None, :], g, mask=tile)
+    part = (b * tl.num_programs(2) + tl.program_id(2)) * C  # this tile's row in the [B * L-tiles, C] partials
+    for j in tl.static_range(K):
+        xv = _conv_tap(x_ptr, s_ptr, b, cs, ls, cmask, C, L, j, HAS_STATE, K)
+        tl.store(dw_ptr + (part + cs) * K + j, tl.sum(g * xv, axis=1), mask=cmask)
+    if HAS_BIAS:
+        tl.store(db_ptr + part + cs, tl.sum(g, axis=1), mask=cmask)
+
+
+@triton.jit
+def _conv1d_bwd_input(g_ptr, w_ptr, dx_ptr, ds_ptr, C, L, HAS_STATE: tl.constexpr, K: tl.constexpr,
+                      BC: tl.constexpr, BL: tl.constexpr):
+    """d full[p] = sum_j w[j] g[p - j] over the ``K - 1 + L`` positions of cat(state, x)."""
+    b = tl.program_id(0).to(tl.int64)
+    cs = tl.program_id(1) * BC + tl.arange(0, BC)
+    ps = tl.program_id(2) * BL + tl.arange(0, BL)
+    cmask = cs < C
+    acc = tl.zeros([BC, BL], dtype=tl.float32)
+    for j in tl.static_range(K):
+        w = tl.load(w_ptr + cs * K + j, mask=cmask, other=0.0).to(tl.float32)
+        out = ps - j  # the output position that read p through tap j
+        gv = tl.load(g_ptr + b * C * L + cs[:, None] * L + out[None, :],
+                     mask=cmask[:, None] & (out[None, :] >= 0) & (out[None, :] < L), other=0.0)
+        acc += w[:, None] * gv
+    xs = ps - (K - 1)
+    tl.store(dx_ptr + b * C * L + cs[:, None] * L + xs[None, :], acc.to(dx_ptr.dtype.element_ty),
+             mask=cmask[:, None] & (xs[None, :] >= 0) & (xs[None, :] < L))
+    if HAS_STATE:
+        tl.store(ds_ptr + b * C * (K - 1) + cs[:, None] * (K - 1) + ps[None, :], acc.to(ds_ptr.dtype.element_ty),
+                 mask=cmask[:, None] & (ps[None, :] < K - 1))
+
+
+_CONV_BLOCK = 32
+
+
+def _conv1d_forward(x, weight, bias, state, silu):
+    b, c, seq = x.shape
+    k = weight.shape[-1]
+    y = torch.empty_like(x)
+    if seq:
+        grid = (b, triton.cdiv(c, _CONV_BLOCK), triton.cdiv(seq, _CONV_BLOCK))
+        _conv1d_fwd[grid](x, weight, bias if bias is not None else weight, state if state is not None else x, y,
+                          c, seq, HAS_BIAS=bias is not None, HAS_STATE=state is not None, SILU=silu, K=k,
+                          BC=_CONV_BLOCK, BL=_CONV_BLOCK)
+    return y
+
+
+class _CausalConv1dFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, state, silu):
+        ctx.save_for_backward(x, weight, bias, state)
+        ctx.silu = silu
+        return _conv1d_forward(x, weight, bias, state, silu)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, bias, state = ctx.saved_tensors
+        b, c, seq = x.shape
+        k = weight.shape[-1]
+        bl = _CONV_BLOCK
+        n_lt = triton.cdiv(seq, bl)
+        g = torch.empty(b, c, seq, device=x.device, dtype=torch.float32)
+        dw = torch.zeros(b * n_lt, c, k, device=x.device, dtype=torch.float32)  # per-tile partials
+        db = torch.zeros(b * n_lt, c, device=x.device, dtype=torch.float32)
+        dx = torch.empty_like(x)
+        ds = torch.empty_like(state) if state is not None else None
+        if seq:
+            _conv1d_bwd_act[(b, triton.cdiv(c, _CONV_BLOCK), n_lt)](
+                x, weight, bias if bias is not None else weight, state if state is not None else x,
+                dy.contiguous(), g, dw, db, c, seq, HAS_BIAS=bias is not None, HAS_STATE=state is not None,
+                SILU=ctx.silu, K=k, BC=_CONV_BLOCK, BL=bl)
+        _conv1d_bwd_input[(b, triton.cdiv(c, _CONV_BLOCK), triton.cdiv(seq + k - 1, bl))](
+            g, weight, dx, ds if ds is not None else dx, c, seq, HAS_STATE=state is not None, K=k,
+            BC=_CONV_BLOCK, BL=bl)
+        db = db.sum(0).to(bias.dtype) if bias is not None else None
+        return dx, dw.sum(0).to(weight.dtype), db, ds, None
+
+
+def _wants_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def causal_conv1d(x, weight, bias=None, state=None, silu: bool = False):
-    """Same contract as ``causal_conv1d_reference``."""
+    """Same contract as ``causal_conv1d_reference``; differentiable in x, weight, bias and state."""
     b, c, seq = x.shape
     k = weight.shape[-1]
     x, weight = x.contiguous(), weight.reshape(c, k).contiguous()
-    y = torch.empty_like(x)
     if state is not None:
         state = state.to(x.dtype).contiguous()
-    if seq:
-        grid = (b, triton.cdiv(c, 32), triton.cdiv(seq, 32))
-        _conv1d_fwd[grid](x, weight, bias if bias is not None else weight, state if state is not None else x, y,
-                          c, seq, HAS_BIAS=bias is not None, HAS_STATE=state is not None, SILU=silu, K=k,
-                          BC=32, BL=32)
+    if _wants_grad(x, weight, bias, state):
+        y = _CausalConv1dFn.apply(x, weight, bias, state, silu)
+    else:
+        y = _conv1d_forward(x, weight, bias, state, silu)
     prev = state if state is not None else x.new_zeros(b, c, k - 1)
     new_state = torch.cat([prev, x], dim=-1)[:, :, -(k - 1):] if k > 1 else x[:, :, :0]
     return y, new_state
