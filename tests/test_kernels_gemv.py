@@ -1,16 +1,30 @@
-"""The decode GEMV against F.linear (its reference) on odd and power-of-two shapes, all dtypes."""
+"""The decode GEMV (plain, and with the gated activation fused into its input) against F.linear on odd and
+power-of-two shapes, all dtypes."""
 
 import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import cudaformers.kernels.gemv as gemv_module
-from cudaformers.kernels.gemv import gemv, linear
+from cudaformers.errors import UnsupportedError
+from cudaformers.kernels.gemv import gemv, gemv_act_mul, gemv_applies, linear
+from cudaformers.layers.activation import act_and_mul_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _tolerance(got, exact, same_dtype, dtype):
+    """(error of ``got``, allowed error) against the fp64 ``exact``. Half types: twice the error of
+    the same-dtype reference, plus one ulp of the output for the final rounding (Triton's
+    interpreter rounds fp32 -> bf16 toward zero, GPUs to nearest)."""
+    err = (got.double() - exact).abs().max()
+    ref_err = (same_dtype.double() - exact).abs().max()
+    ulp = exact.abs().max() * {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}.get(dtype, 0.0)
+    return err, (1e-5 if dtype == torch.float32 else 2 * ref_err + ulp)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -22,16 +36,11 @@ def test_gemv_matches_reference(m, n, k, dtype, bias):
     w = (torch.randn(n, k, generator=g) / k ** 0.5).to(DEVICE, dtype)
     b = torch.randn(n, generator=g).to(DEVICE, dtype) if bias else None
     got = gemv(x, w, b)
-    exact = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
-    same_dtype = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float()).to(dtype)
-    err = (got.double() - exact).abs().max()
-    ref_err = (same_dtype.double() - exact).abs().max()
-    # Half types: twice the same-dtype reference's error, plus one ulp of the output for the final
-    # rounding (Triton's interpreter rounds fp32 -> bf16 toward zero, GPUs to nearest).
-    ulp = exact.abs().max() * {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}.get(dtype, 0.0)
-    tol = 1e-5 if dtype == torch.float32 else 2 * ref_err + ulp
+    exact = F.linear(x.double(), w.double(), None if b is None else b.double())
+    same_dtype = F.linear(x.float(), w.float(), None if b is None else b.float()).to(dtype)
+    err, tol = _tolerance(got, exact, same_dtype, dtype)
     assert got.dtype == dtype and got.shape == (m, n)
-    assert err <= tol, (err, ref_err)
+    assert err <= tol, (err, tol)
 
 
 def test_linear_dispatch(monkeypatch):
@@ -45,3 +54,53 @@ def test_linear_dispatch(monkeypatch):
     x = torch.randn(1, 32, device=DEVICE, requires_grad=True)
     linear(x, w).sum().backward()  # autograd needed: F.linear
     assert len(calls) == 1 and x.grad is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh"])
+@pytest.mark.parametrize("m,n,k,packed", [(1, 8, 32, True), (1, 37, 100, True), (3, 64, 256, False),
+                                          (4, 130, 77, True), (2, 1, 513, False)])
+def test_gemv_act_mul_matches_reference(m, n, k, packed, activation, dtype):
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    if packed:  # gate and up as the strided halves of one packed gate/up projection output
+        gate, up = (torch.randn(m, 2 * k, generator=g) * 2).to(DEVICE, dtype).split(k, dim=-1)
+        assert gate.stride(0) == 2 * k
+    else:
+        gate, up = ((torch.randn(m, k, generator=g) * 2).to(DEVICE, dtype) for _ in range(2))
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(DEVICE, dtype)
+    got = gemv_act_mul(gate, up, w, activation=activation)
+    exact = F.linear(act_and_mul_reference(gate.double(), up.double(), activation), w.double())
+    # The unfused path: the activation rounded to the input dtype, then the matmul.
+    same_dtype = F.linear(act_and_mul_reference(gate, up, activation).float(), w.float()).to(dtype)
+    err, tol = _tolerance(got, exact, same_dtype, dtype)
+    assert got.dtype == dtype and got.shape == (m, n)
+    assert err <= tol, (err, tol)
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh", "gelu"])
+def test_gemv_act_mul_bias_and_leading_dims(activation):
+    g = torch.Generator().manual_seed(7)
+    gate, up = torch.randn(1, 2, 2 * 96, generator=g).to(DEVICE).chunk(2, dim=-1)  # [B, T, K] views
+    w, b = torch.randn(40, 96, generator=g).to(DEVICE), torch.randn(40, generator=g).to(DEVICE)
+    got = gemv_act_mul(gate, up, w, b, activation)
+    assert got.shape == (1, 2, 40)
+    torch.testing.assert_close(got, F.linear(act_and_mul_reference(gate, up, activation), w, b),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_gemv_act_mul_rejects_bad_inputs():
+    w = torch.randn(8, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="same shape"):
+        gemv_act_mul(torch.randn(1, 16, device=DEVICE), torch.randn(1, 8, device=DEVICE), w)
+    with pytest.raises(UnsupportedError, match="relu"):
+        gemv_act_mul(torch.randn(1, 16, device=DEVICE), torch.randn(1, 16, device=DEVICE), w, activation="relu")
+
+
+def test_gemv_applies():
+    w = torch.randn(16, 32, device=DEVICE)
+    x = torch.randn(1, 32, device=DEVICE)
+    with torch.no_grad():
+        assert gemv_applies(w, x, x)
+        assert not gemv_applies(w, torch.randn(5, 32, device=DEVICE))  # prefill-sized
+        assert not gemv_applies(w, x, x.double())  # mixed dtypes
+    assert not gemv_applies(w, x, x.requires_grad_())  # autograd through up
