@@ -92,10 +92,24 @@ def test_greedy_generation_matches_transformers(use_kernels):
     assert got.tolist() == want.tolist()
 
 
-def test_forward_only_kernels_refuse_training():
-    from cudaformers.errors import UnsupportedError
+MAMBA_KERNELS = {"selective_scan_fn": "cudaformers:selective_scan", "causal_conv1d_fn": "cudaformers:causal_conv1d"}
 
-    model = AutoModelForCausalLM.from_pretrained(
-        checkpoint("mamba"), kernel_config=KernelConfig({"selective_scan_fn": "cudaformers:selective_scan"}))
-    with pytest.raises(UnsupportedError, match="no backward"):
-        model.train()
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_training_gradients_with_kernels_equal_reference_path(name):
+    """Training mode with the scan and conv kernels (their Triton backward) against the PyTorch layers."""
+    folder = checkpoint(name)
+    plain = AutoModelForCausalLM.from_pretrained(folder).train()
+    fast = AutoModelForCausalLM.from_pretrained(folder, kernel_config=KernelConfig(MAMBA_KERNELS)).train()
+    assert "selective_scan_fn -> cudaformers:selective_scan" in fast._choices["kernels"]
+    assert "causal_conv1d_fn -> cudaformers:causal_conv1d" in fast._choices["kernels"]
+    ids = torch.randint(3, 211, (2, 11), generator=torch.Generator().manual_seed(4))
+    losses = []
+    for model in (plain, fast):
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss)
+    torch.testing.assert_close(losses[1], losses[0], atol=1e-5, rtol=1e-5)
+    ref_params = dict(plain.named_parameters())
+    for n, p in fast.named_parameters():
+        torch.testing.assert_close(p.grad, ref_params[n].grad, atol=1e-5, rtol=1e-4, msg=n)

@@ -92,7 +92,8 @@ def _selective_scan(self, *args, **kwargs):
 def _causal_conv1d(self, x, state=None):
     from .mamba import causal_conv1d
 
-    return causal_conv1d(x, self.weight, self.bias, state, silu=self.fuse_silu)
+    y, state = causal_conv1d(x, self.weight, self.bias, state, silu=self.fuse_silu)
+    return (y if self.fuse_silu else self.act(y)), state
 
 
 @dataclass(frozen=True)
@@ -143,9 +144,9 @@ LAYER_TYPES = {t.name: t for t in [
     LayerType("MoeExperts", _tagged("MoeExperts"), {"cudaformers:grouped_gemm": _moe_experts},
               "MoE experts as one grouped GEMM over all experts"),
     LayerType("selective_scan_fn", _tagged("selective_scan_fn"), {"cudaformers:selective_scan": _selective_scan},
-              "Mamba selective scan (forward only)", default_modes=("inference",), has_backward=False),
+              "Mamba selective scan, with a chunked reverse-scan backward"),
     LayerType("causal_conv1d_fn", _tagged("causal_conv1d_fn"), {"cudaformers:causal_conv1d": _causal_conv1d},
-              "Mamba causal depthwise conv1d (forward only)", default_modes=("inference",), has_backward=False),
+              "Mamba causal depthwise conv1d (+ SiLU), forward and backward"),
 ]}
 
 

@@ -250,19 +250,159 @@ def _scan_fwd(u_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, bias_ptr, h_ptr,
     tl.store(h_ptr + h_off, h, mask=m2)
 
 
-def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, state=None):
-    """Same contract as ``selective_scan_reference``; the state is updated in a new tensor."""
+@triton.jit
+def _scan_step_inputs(u_ptr, dt_ptr, b_ptr, c_ptr, row, bc_row, t, cmask, nmask, bias, HAS_BIAS: tl.constexpr):
+    """u, softplus(dt + bias), dt's softplus derivative ([BI]) and B_t, C_t ([BN]) at step t, in fp32."""
+    u = tl.load(u_ptr + row + t, mask=cmask, other=0.0).to(tl.float32)
+    raw = tl.load(dt_ptr + row + t, mask=cmask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        raw += bias
+    dt = tl.where(raw > 20.0, raw, tl.log(1.0 + tl.exp(raw)))
+    d_soft = tl.where(raw > 20.0, 1.0, tl.sigmoid(raw))
+    Bt = tl.load(b_ptr + bc_row + t, mask=nmask, other=0.0).to(tl.float32)
+    Ct = tl.load(c_ptr + bc_row + t, mask=nmask, other=0.0).to(tl.float32)
+    return u, dt, d_soft, Bt, Ct
+
+
+@triton.jit
+def _scan_bwd(u_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, bias_ptr, h0_ptr, dy_ptr, dhl_ptr,
+              ckpt_ptr, hbuf_ptr, du_ptr, ddt_ptr, dz_ptr, dA_ptr, dB_ptr, dC_ptr, dD_ptr, dbias_ptr, dh0_ptr,
+              I, L, N, n_chunks, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr,
+              T: tl.constexpr, BI: tl.constexpr, BN: tl.constexpr):
+    """Reverse-time scan of one (sequence, channel block). Per-step reductions over channels (dB, dC)
+    and per-sequence sums (dA, dD, dbias) go to per-program partials, summed on the host side."""
+    bt = tl.program_id(0).to(tl.int64)
+    cb = tl.program_id(1)
+    ch = cb * BI + tl.arange(0, BI)
+    ns = tl.arange(0, BN)
+    cmask, nmask = ch < I, ns < N
+    m2 = cmask[:, None] & nmask[None, :]
+    A = tl.load(a_ptr + ch[:, None] * N + ns[None, :], mask=m2, other=0.0).to(tl.float32)
+    D = tl.zeros([BI], dtype=tl.float32)
+    if HAS_D:
+        D = tl.load(d_ptr + ch, mask=cmask, other=0.0).to(tl.float32)
+    bias = tl.zeros([BI], dtype=tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + ch, mask=cmask, other=0.0).to(tl.float32)
+    hn = ch[:, None] * N + ns[None, :]  # [BI, BN] offsets of this block inside one [I, N] state
+    row = bt * I * L + ch * L
+    bc_row = bt * N * L + ns * L
+    part_row = (bt * tl.num_programs(1) + cb) * N * L + ns * L  # this program's [N, L] slice of dB/dC partials
+    # Pass 1: the state entering every chunk.
+    h = tl.load(h0_ptr + bt * I * N + hn, mask=m2, other=0.0)
+    for c in range(n_chunks):
+        tl.store(ckpt_ptr + (bt * n_chunks + c) * I * N + hn, h, mask=m2)
+        for t in range(c * T, tl.minimum(c * T + T, L)):
+            u, dt, _, Bt, _ = _scan_step_inputs(u_ptr, dt_ptr, b_ptr, c_ptr, row, bc_row, t, cmask, nmask,
+                                                bias, HAS_BIAS)
+            h = tl.exp(A * dt[:, None]) * h + (dt * u)[:, None] * Bt[None, :]
+    # Pass 2: chunks in reverse; dh is the gradient reaching the state after the current step.
+    dh = tl.load(dhl_ptr + bt * I * N + hn, mask=m2, other=0.0)
+    dA = tl.zeros([BI, BN], dtype=tl.float32)
+    dD = tl.zeros([BI], dtype=tl.float32)
+    dbias = tl.zeros([BI], dtype=tl.float32)
+    for cc in range(n_chunks):
+        t0 = (n_chunks - 1 - cc) * T
+        t1 = tl.minimum(t0 + T, L)
+        h = tl.load(ckpt_ptr + (bt * n_chunks + n_chunks - 1 - cc) * I * N + hn, mask=m2, other=0.0)
+        for t in range(t0, t1):  # replay the chunk, keeping the state entering each step
+            tl.store(hbuf_ptr + (bt * T + t - t0) * I * N + hn, h, mask=m2)
+            u, dt, _, Bt, _ = _scan_step_inputs(u_ptr, dt_ptr, b_ptr, c_ptr, row, bc_row, t, cmask, nmask,
+                                                bias, HAS_BIAS)
+            h = tl.exp(A * dt[:, None]) * h + (dt * u)[:, None] * Bt[None, :]
+        tl.debug_barrier()
+        for tt in range(t1 - t0):
+            t = t1 - 1 - tt
+            h_prev = tl.load(hbuf_ptr + (bt * T + t - t0) * I * N + hn, mask=m2, other=0.0)
+            u, dt, d_soft, Bt, Ct = _scan_step_inputs(u_ptr, dt_ptr, b_ptr, c_ptr, row, bc_row, t, cmask, nmask,
+                                                      bias, HAS_BIAS)
+            decay = tl.exp(A * dt[:, None])
+            h_t = decay * h_prev + (dt * u)[:, None] * Bt[None, :]
+            g = tl.load(dy_ptr + row + t, mask=cmask, other=0.0).to(tl.float32)
+            if HAS_Z:  # out = y * silu(z)
+                zt = tl.load(z_ptr + row + t, mask=cmask, other=0.0).to(tl.float32)
+                sz = tl.sigmoid(zt)
+                y = tl.sum(h_t * Ct[None, :], axis=1) + D * u
+                tl.store(dz_ptr + row + t, (g * y * sz * (1.0 + zt * (1.0 - sz))).to(dz_ptr.dtype.element_ty),
+                         mask=cmask)
+                g = g * zt * sz
+            dD += g * u
+            dh += g[:, None] * Ct[None, :]
+            tl.store(dC_ptr + part_row + t, tl.sum(g[:, None] * h_t, axis=0), mask=nmask)
+            tl.store(dB_ptr + part_row + t, tl.sum(dh * (dt * u)[:, None], axis=0), mask=nmask)
+            du = g * D + dt * tl.sum(dh * Bt[None, :], axis=1)
+            d_dt = tl.sum(dh * (A * decay * h_prev + u[:, None] * Bt[None, :]), axis=1) * d_soft
+            dA += dh * decay * h_prev * dt[:, None]
+            dbias += d_dt
+            tl.store(du_ptr + row + t, du.to(du_ptr.dtype.element_ty), mask=cmask)
+            tl.store(ddt_ptr + row + t, d_dt.to(ddt_ptr.dtype.element_ty), mask=cmask)
+            dh = dh * decay
+        tl.debug_barrier()  # the next chunk's replay overwrites the buffer
+    tl.store(dh0_ptr + bt * I * N + hn, dh, mask=m2)
+    tl.store(dA_ptr + bt * I * N + hn, dA, mask=m2)
+    tl.store(dD_ptr + bt * I + ch, dD, mask=cmask)
+    tl.store(dbias_ptr + bt * I + ch, dbias, mask=cmask)
+
+
+_SCAN_BLOCK_I = 16
+_SCAN_CHUNK = 64
+
+
+def _scan_forward(u, delta, A, B, C, D, z, delta_bias, state):
     bt, i, seq = u.shape
-    n = A.shape[1]
-    u, delta, B, C = u.contiguous(), delta.contiguous(), B.contiguous(), C.contiguous()
-    z = z.contiguous() if z is not None else None
     h = state.float().clone().contiguous() if state is not None else \
-        torch.zeros(bt, i, n, device=u.device, dtype=torch.float32)
+        torch.zeros(bt, i, A.shape[1], device=u.device, dtype=torch.float32)
     y = torch.empty_like(u)
-    bi = 16
-    _scan_fwd[(bt, triton.cdiv(i, bi))](
-        u, delta, A.float().contiguous(), B, C, D if D is not None else u, z if z is not None else u,
-        delta_bias if delta_bias is not None else u, h, y, i, seq, n,
+    _scan_fwd[(bt, triton.cdiv(i, _SCAN_BLOCK_I))](
+        u, delta, A, B, C, D if D is not None else u, z if z is not None else u,
+        delta_bias if delta_bias is not None else u, h, y, i, seq, A.shape[1],
         HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
-        BI=bi, BN=triton.next_power_of_2(n))
+        BI=_SCAN_BLOCK_I, BN=triton.next_power_of_2(A.shape[1]))
     return y, h
+
+
+class _SelectiveScanFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, u, delta, A, B, C, D, z, delta_bias, state):
+        ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, state)
+        return _scan_forward(u, delta, A, B, C, D, z, delta_bias, state)
+
+    @staticmethod
+    def backward(ctx, dy, dh_last):
+        u, delta, A, B, C, D, z, delta_bias, state = ctx.saved_tensors
+        bt, i, seq = u.shape
+        n = A.shape[1]
+        f32 = dict(device=u.device, dtype=torch.float32)
+        n_blocks, n_chunks = triton.cdiv(i, _SCAN_BLOCK_I), triton.cdiv(seq, _SCAN_CHUNK)
+        h0 = state.float().contiguous() if state is not None else torch.zeros(bt, i, n, **f32)
+        dh_last = dh_last.float().contiguous() if dh_last is not None else torch.zeros(bt, i, n, **f32)
+        du, ddelta = torch.empty_like(u), torch.empty_like(delta)
+        dz = torch.empty_like(z) if z is not None else None
+        dB = torch.zeros(bt, n_blocks, n, seq, **f32)  # per channel-block partials
+        dC = torch.zeros(bt, n_blocks, n, seq, **f32)
+        dA, dh0 = torch.zeros(bt, i, n, **f32), torch.empty(bt, i, n, **f32)
+        dD, dbias = torch.zeros(bt, i, **f32), torch.zeros(bt, i, **f32)
+        ckpt = torch.empty(bt, n_chunks, i, n, **f32)
+        hbuf = torch.empty(bt, _SCAN_CHUNK, i, n, **f32)
+        _scan_bwd[(bt, n_blocks)](
+            u, delta, A, B, C, D if D is not None else u, z if z is not None else u,
+            delta_bias if delta_bias is not None else u, h0, dy.contiguous(), dh_last, ckpt, hbuf,
+            du, ddelta, dz if dz is not None else du, dA, dB, dC, dD, dbias, dh0, i, seq, n, n_chunks,
+            HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
+            T=_SCAN_CHUNK, BI=_SCAN_BLOCK_I, BN=triton.next_power_of_2(n))
+        return (du, ddelta, dA.sum(0).to(A.dtype), dB.sum(1).to(B.dtype), dC.sum(1).to(C.dtype),
+                dD.sum(0).to(D.dtype) if D is not None else None, dz,
+                dbias.sum(0).to(delta_bias.dtype) if delta_bias is not None else None,
+                dh0.to(state.dtype) if state is not None else None)
+
+
+def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, state=None):
+    """Same contract as ``selective_scan_reference``; the state is updated in a new tensor.
+    Differentiable in every tensor input (and through the returned state)."""
+    u, delta, B, C = u.contiguous(), delta.contiguous(), B.contiguous(), C.contiguous()
+    A = A.float().contiguous()
+    z = z.contiguous() if z is not None else None
+    args = (u, delta, A, B, C, D, z, delta_bias, state)
+    if _wants_grad(*args):
+        return _SelectiveScanFn.apply(*args)
+    return _scan_forward(*args)
