@@ -82,6 +82,8 @@ def _launch(x2, u2, weight, bias, act: int) -> torch.Tensor:
         weight = weight.contiguous()
     m, k = x2.shape
     n = weight.shape[0]
+    if weight.dim() != 2 or weight.shape[1] != k:
+        raise ValueError(f"input rows of {k} features do not match the weight {tuple(weight.shape)} ([N, K])")
     y = torch.empty(m, n, device=x2.device, dtype=x2.dtype)
     block_n = _block_n(n, x2.device)
     block_k = min(triton.next_power_of_2(k), _ELEMENTS // block_n)

@@ -69,6 +69,34 @@ def _is_plain_linear(module) -> bool:
     return type(module) in (nn.Linear, PackedLinear)  # not quantized, adapter or sharded layers
 
 
+def _is_gated_mlp(module) -> bool:
+    from ..layers.mlp import GatedMLP
+
+    # Exact forward only: a subclass that changes the MLP's math keeps its own forward.
+    return (isinstance(module, GatedMLP) and type(module).forward is GatedMLP.forward
+            and module.act_fn.name in _SILU + _GELU)
+
+
+def _streams_plainly(linear) -> bool:
+    """A Linear whose forward is exactly ``F.linear`` on its own dense weight: no quantization,
+    adapter, tensor-parallel sharding (DTensor weights, hooks) or other wrapper to bypass."""
+    import torch
+    import torch.nn as nn
+
+    return (type(linear) is nn.Linear and type(linear.weight) in (nn.Parameter, torch.Tensor)
+            and not linear._forward_hooks and not linear._forward_pre_hooks)
+
+
+def _fused_mlp_decode(self, x):
+    from .gemv import gemv_act_mul, gemv_applies
+
+    gate, up = self.project_gate_up(x)
+    down = self.down_proj
+    if _streams_plainly(down) and gemv_applies(down.weight, gate, up):
+        return gemv_act_mul(gate, up, down.weight, down.bias, self.act_fn.name)
+    return down(self.act_fn(gate, up))  # GatedMLP.forward, past the projections
+
+
 def _moe_experts(self, hidden, top_k_index, top_k_weights):
     from .moe import moe_experts
 
@@ -136,6 +164,9 @@ LAYER_TYPES = {t.name: t for t in [
     LayerType("Linear", _is_plain_linear, {"cudaformers:gemv": _linear},
               "decode-sized matmuls (<= 4 rows) as a weight-streaming GEMV; larger ones stay on cuBLAS",
               default_modes=("inference",)),
+    LayerType("GatedMLP", _is_gated_mlp, {"cudaformers:fused_mlp_decode": _fused_mlp_decode},
+              "decode-sized gated MLPs (<= 4 rows): act(gate) * up fused into the down-projection GEMV",
+              default_modes=("inference",), has_backward=False),
     LayerType("ForCausalLMLoss", lambda m: hasattr(m, "fused_loss") and hasattr(m, "lm_head"),
               {"cudaformers:fused_linear_cross_entropy": None},
               "lm_head + cross-entropy without the full logits", default_modes=("training",)),

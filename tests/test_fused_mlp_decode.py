@@ -1,0 +1,99 @@
+"""The "GatedMLP" kernel (activation fused into the down-projection GEMV) on tiny models: the same
+greedy tokens and logits as the plain model, used only at decode sizes without autograd, and never
+around a down projection it would bypass (adapters, quantization)."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # interpret the kernels on CPU; set before triton.jit reads it
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+import cudaformers.kernels.gemv as gemv_module  # noqa: E402
+import tiny  # noqa: E402
+from cudaformers import AutoModelForCausalLM, LoraConfig, get_peft_model  # noqa: E402
+from cudaformers.errors import UnsupportedError  # noqa: E402
+from cudaformers.kernels.hub import KernelConfig, resolve  # noqa: E402
+
+FUSED = KernelConfig({"GatedMLP": "cudaformers:fused_mlp_decode"})
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+    calls = []
+    real = gemv_module.gemv_act_mul
+
+    def counting(gate, *args):
+        calls.append(gate.shape)
+        return real(gate, *args)
+
+    monkeypatch.setattr(gemv_module, "gemv_act_mul", counting)
+    return calls
+
+
+def _models(name):
+    folder = tiny.checkpoint(name)
+    plain = AutoModelForCausalLM.from_pretrained(folder, use_kernels=False).eval()
+    return plain, AutoModelForCausalLM.from_pretrained(folder, kernel_config=FUSED).eval()
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama_bias"])  # llama_bias: packed gate/up and down biases
+def test_kernels_on_and_off_generate_the_same_tokens(name, fused_calls):
+    plain, fused = _models(name)
+    assert "GatedMLP -> cudaformers:fused_mlp_decode" in fused.explain()
+    ids = torch.randint(3, 211, (1, 7), generator=torch.Generator().manual_seed(1))
+    kw = dict(max_new_tokens=12, do_sample=False, eos_token_id=None)
+    want = plain.generate(ids, **kw)
+    assert not fused_calls
+    got = fused.generate(ids, **kw)
+    assert torch.equal(got, want)
+    layers = len(fused.model.layers)
+    # The 7-row prefill takes the plain path; every one-token decode step, the fused GEMV.
+    assert len(fused_calls) == (kw["max_new_tokens"] - 1) * layers
+    assert all(shape[:-1].numel() == 1 for shape in fused_calls)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5])
+def test_logits_close_at_and_past_the_row_limit(rows, fused_calls):
+    plain, fused = _models("qwen3")
+    ids = torch.randint(3, 211, (1, rows), generator=torch.Generator().manual_seed(rows))
+    with torch.no_grad():
+        torch.testing.assert_close(fused(ids).logits, plain(ids).logits, atol=2e-5, rtol=1e-5)
+    fused_rows = rows <= gemv_module.MAX_ROWS
+    assert len(fused_calls) == (len(fused.model.layers) if fused_rows else 0)
+
+
+def test_autograd_takes_the_plain_path(fused_calls):
+    plain, fused = _models("llama")
+    ids = torch.randint(3, 211, (1, 2))
+    fused(ids).logits.sum().backward()  # eval mode, but grad enabled: parameters need gradients
+    plain(ids).logits.sum().backward()
+    assert not fused_calls
+    down = fused.model.layers[0].mlp.down_proj.weight
+    torch.testing.assert_close(down.grad, plain.model.layers[0].mlp.down_proj.weight.grad)
+
+
+def test_adapters_on_down_proj_are_not_bypassed(fused_calls):
+    plain, fused = _models("llama")
+    ids = torch.randint(3, 211, (1, 2))
+    with torch.no_grad():
+        before = plain(ids).logits
+    config = LoraConfig(r=4, target_modules=["down_proj"], init_lora_weights=False)  # random B: visible
+    torch.manual_seed(0)
+    plain_peft = get_peft_model(plain, config)
+    torch.manual_seed(0)
+    fused_peft = get_peft_model(fused, config)
+    with torch.no_grad():
+        after = fused_peft(ids).logits
+        torch.testing.assert_close(after, plain_peft(ids).logits)
+    assert not fused_calls and not torch.allclose(after, before)
+
+
+def test_inference_only_and_default_on_cuda():
+    assert resolve("GatedMLP", "cuda", "inference", None) == ("cudaformers:fused_mlp_decode", "default on cuda")
+    assert resolve("GatedMLP", "cuda", "training", None)[0] == ""
+    assert resolve("GatedMLP", "cpu", "inference", None)[0] == ""
+    with pytest.raises(UnsupportedError, match="no backward"):
+        resolve("GatedMLP", "cuda", "training", FUSED)
