@@ -7,6 +7,8 @@ graph-replayed decode step sees them (no Python or launch overhead from the host
   * q/k norm + rope: rms_norm(q) + rms_norm(k) + rotary (q, k in place) vs qk_norm_rope, on q/k
     views of a packed q/k/v projection output;
   * kv store: index_copy_ x 2 vs the one-launch Triton store;
+  * gated MLP down projection: act_and_mul + GEMV vs the GEMV that applies silu(gate) * up as it loads
+    its input (gate/up views of the packed gate/up output, I=3072 -> H=1024);
   * paged decode at several contexts and graph capacities (generate() captures with its cache
     capacity, the engine with up to 16k), with the automatic split plan vs a single split.
 """
@@ -19,6 +21,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from cudaformers.kernels.activation import act_and_mul_forward  # noqa: E402
+from cudaformers.kernels.gemv import gemv, gemv_act_mul  # noqa: E402
 from cudaformers.kernels.kv_store import store_kv_triton  # noqa: E402
 from cudaformers.kernels.paged_decode import paged_decode, split_plan  # noqa: E402
 from cudaformers.kernels.qk_norm_rope import qk_norm_rope_forward  # noqa: E402
@@ -26,6 +30,7 @@ from cudaformers.kernels.rms_norm import rms_norm  # noqa: E402
 from cudaformers.kernels.rotary import apply_rotary  # noqa: E402
 
 HQ, HKV, D, PAGE, DTYPE, DEV = 16, 8, 128, 16, torch.bfloat16, "cuda"
+HIDDEN, INTERMEDIATE = 1024, 3072
 REPS = 100
 
 
@@ -92,6 +97,19 @@ def kv_store_rows(t: int):
     return [(f"kv store, T={t}", "index_copy x2", graph_us(old), "kv_store", graph_us(new))]
 
 
+def act_down_rows(t: int):
+    gate, up = torch.randn(t, 2 * INTERMEDIATE, device=DEV, dtype=DTYPE).split(INTERMEDIATE, dim=-1)
+    w = torch.randn(HIDDEN, INTERMEDIATE, device=DEV, dtype=DTYPE) / INTERMEDIATE ** 0.5
+
+    def old():
+        gemv(act_and_mul_forward(gate, up, "silu"), w)
+
+    def new():
+        gemv_act_mul(gate, up, w, activation="silu")
+
+    return [(f"silu*up + down proj, T={t}", "act + gemv", graph_us(old), "fused gemv", graph_us(new))]
+
+
 def paged_decode_rows(batch: int):
     rows = []
     for capacity in (512, 16384):
@@ -123,6 +141,7 @@ def main() -> None:
     with torch.inference_mode():
         for t in (1, 32):
             rows += norm_rope_rows(t) + kv_store_rows(t)
+        rows += act_down_rows(1)
         for batch in (1, 32):
             rows += paged_decode_rows(batch)
     print(f"\n{torch.cuda.get_device_name()}  (Hq={HQ}, Hkv={HKV}, D={D}, {str(DTYPE)[6:]}; us per launch, graph replay)")
