@@ -43,15 +43,69 @@ def _topk_softmax(logits_ptr, w_ptr, idx_ptr, n_experts, TOP_K: tl.constexpr, RE
             tl.store(w_ptr + t * TOP_K + i, tl.load(w_ptr + t * TOP_K + i) / total)
 
 
-def route(logits: torch.Tensor, top_k: int, renormalize: bool):
-    """Same contract as ``route_reference``; forward only (training routes with the reference)."""
+@triton.jit
+def _topk_softmax_bwd(logits_ptr, idx_ptr, dw_ptr, dlogits_ptr, n_experts, TOP_K: tl.constexpr,
+                      RENORM: tl.constexpr, BLOCK_E: tl.constexpr):
+    """d logits of one token from d weights: through the renormalisation, the gather and the softmax."""
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    x = tl.load(logits_ptr + t * n_experts + e, mask=e < n_experts, other=float("-inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, axis=0))
+    p = p / tl.sum(p, axis=0)
+    total = 0.0
+    dw_dot_w = 0.0
+    if RENORM:  # w_k = p_k / S: dp_k = (dw_k - sum_j dw_j w_j) / S
+        for i in tl.static_range(TOP_K):
+            v = tl.sum(tl.where(e == tl.load(idx_ptr + t * TOP_K + i), p, 0.0), axis=0)
+            total += v
+            dw_dot_w += tl.load(dw_ptr + t * TOP_K + i) * v
+        dw_dot_w = dw_dot_w / total
+    dp = tl.zeros([BLOCK_E], dtype=tl.float32)
+    for i in tl.static_range(TOP_K):
+        g = tl.load(dw_ptr + t * TOP_K + i)
+        if RENORM:
+            g = (g - dw_dot_w) / total
+        dp += tl.where(e == tl.load(idx_ptr + t * TOP_K + i), g, 0.0)
+    dx = p * (dp - tl.sum(dp * p, axis=0))
+    tl.store(dlogits_ptr + t * n_experts + e, dx.to(dlogits_ptr.dtype.element_ty), mask=e < n_experts)
+
+
+def _route_forward(logits, top_k, renormalize):
     t, e = logits.shape
     weights = torch.empty(t, top_k, device=logits.device, dtype=torch.float32)
     index = torch.empty(t, top_k, device=logits.device, dtype=torch.int64)
     if t:
-        _topk_softmax[(t,)](logits.contiguous(), weights, index, e, TOP_K=top_k, RENORM=renormalize,
+        _topk_softmax[(t,)](logits, weights, index, e, TOP_K=top_k, RENORM=renormalize,
                             BLOCK_E=triton.next_power_of_2(e))
     return weights, index
+
+
+class _RouteFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, top_k, renormalize):
+        weights, index = _route_forward(logits, top_k, renormalize)
+        ctx.mark_non_differentiable(index)
+        ctx.save_for_backward(logits, index)
+        ctx.renormalize = renormalize
+        return weights, index
+
+    @staticmethod
+    def backward(ctx, dweights, _dindex):
+        logits, index = ctx.saved_tensors
+        t, e = logits.shape
+        dlogits = torch.empty_like(logits)
+        if t:
+            _topk_softmax_bwd[(t,)](logits, index, dweights.float().contiguous(), dlogits, e,
+                                    TOP_K=index.shape[1], RENORM=ctx.renormalize, BLOCK_E=triton.next_power_of_2(e))
+        return dlogits, None, None
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool):
+    """Same contract as ``route_reference``; differentiable in the logits (not in the discrete choice)."""
+    logits = logits.contiguous()
+    if torch.is_grad_enabled() and logits.requires_grad:
+        return _RouteFn.apply(logits, top_k, renormalize)
+    return _route_forward(logits, top_k, renormalize)
 
 
 # -- grouped GEMM ---------------------------------------------------------------------------------
