@@ -122,3 +122,12 @@ def test_manager_streams_cancels_and_stops():
     assert not manager.is_running()
     assert manager.engine.block_manager.num_free_blocks == 64
     assert manager.get_result(timeout=0.1) is None
+
+
+def test_engine_attention_default_is_triton_on_cuda_and_sdpa_elsewhere():
+    import torch
+
+    from cudaformers.engine.llm import engine_attention
+
+    assert engine_attention(torch.device("cpu")) == "sdpa"
+    assert engine_attention(torch.device("cuda", 0)) == "triton"  # decided from the device alone

@@ -25,6 +25,21 @@ logger = logging.getLogger("cudaformers")
 PROGRESS_BAR_MIN_REQUESTS = 16  # below this a run is short: no bar unless asked for
 
 
+def engine_attention(device: torch.device) -> str:
+    """The attention backend the engine loads models with when none is named: on CUDA our Triton
+    kernels (paged decode reads only each sequence's own keys; sdpa would gather the whole padded
+    context of every row at every step), elsewhere sdpa. Logged, and any explicit choice wins."""
+    choice = "sdpa"
+    if device.type == "cuda":
+        try:
+            import triton  # noqa: F401
+            choice = "triton"
+        except ImportError:
+            pass
+    logger.info("engine: attn_implementation=%r (automatic; pass attn_implementation= to choose)", choice)
+    return choice
+
+
 class LLM:
     """Args: ``model`` is a loaded cudaformers model or a path / Hub id (loaded with ``dtype``,
     ``device`` and ``attn_implementation``, plus ``load_kwargs``). Engine knobs: ``max_batch_tokens``
@@ -46,6 +61,7 @@ class LLM:
                 logger.info("LLM: loading %s on %s (automatic; pass device= to choose)", model, device)
             if tokenizer is None:
                 tokenizer = AutoTokenizer.from_pretrained(model)
+            attn_implementation = attn_implementation or engine_attention(torch.device(device))
             model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, device_map=device,
                                                          attn_implementation=attn_implementation, **load_kwargs)
         elif load_kwargs or device is not None or attn_implementation is not None or dtype != "auto":

@@ -113,26 +113,20 @@ def add_arguments(parser) -> None:
 
 
 def _load(args):
-    """Model and tokenizer as `generate` loads them; the model alone with --skip-tokenizer-init."""
-    from ..generation.cli import load
-
-    if not args.skip_tokenizer_init:
-        return load(args.model, args)
+    """Model and tokenizer as `generate` loads them (the model alone with --skip-tokenizer-init), with
+    the engine's attention default when --attn is not given."""
     import torch
 
-    from ..device import default_device, supports_bf16
-    from ..models.auto import AutoModelForCausalLM
+    from ..device import default_device
+    from ..generation.cli import load
+    from .llm import engine_attention
 
-    if args.model is None or args.model.endswith(".gguf") or args.gguf_file:
+    if args.skip_tokenizer_init and (args.model is None or args.model.endswith(".gguf") or args.gguf_file):
         raise CudaformersError("--skip-tokenizer-init needs a safetensors model folder or Hub id "
                                "(a GGUF file carries its tokenizer: serve it with one)")
-    device = torch.device(args.device_map or str(default_device()))
-    dtype = args.dtype
-    if dtype == "auto" and device.type == "cuda":
-        dtype = torch.bfloat16 if supports_bf16(device) else torch.float16
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, device_map=str(device),
-                                                 attn_implementation=args.attn)
-    return model, None
+    if args.attn is None and args.device_map != "auto":
+        args.attn = engine_attention(torch.device(args.device_map or str(default_device())))
+    return load(args.model, args, with_tokenizer=not args.skip_tokenizer_init)
 
 
 def run(args) -> int:

@@ -35,8 +35,9 @@ def add_arguments(parser) -> None:
     add_model_arguments(parser)
 
 
-def load(model_arg: str | None, args):
-    """Model and tokenizer for the CLI; the embedded model when none is named."""
+def load(model_arg: str | None, args, with_tokenizer: bool = True):
+    """Model and tokenizer (None without ``with_tokenizer``) for the CLI; the embedded model when none
+    is named."""
     from ..device import default_device, supports_bf16
     from ..embedded import default_model
     from ..models.auto import AutoModelForCausalLM
@@ -56,7 +57,7 @@ def load(model_arg: str | None, args):
         dtype = (torch.bfloat16 if supports_bf16(dev) else torch.float16) if dev.type == "cuda" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(model_arg, gguf_file=gguf, dtype=dtype, device_map=device_map,
                                                  attn_implementation=args.attn)
-    tokenizer = AutoTokenizer.from_pretrained(model_arg, gguf_file=gguf)
+    tokenizer = AutoTokenizer.from_pretrained(model_arg, gguf_file=gguf) if with_tokenizer else None
     return model, tokenizer
 
 
