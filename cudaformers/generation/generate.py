@@ -105,16 +105,29 @@ def generate(model, input_ids, attention_mask=None, generation_config=None, stre
     hidden = model.model(flat, positions, batch)
     logits = model.compute_logits(hidden[batch.cu_seqlens_q[1:].long() - 1])
 
+    pos = torch.tensor(lens, device=dev)
+    generated = decode_loop(logits, lambda tokens, step: runner.decode(tokens, pos + step), gen, st, seen, generator,
+                            eos, pad, max_new, input_ids, streamer, tokenizer)
+    return torch.cat([input_ids, generated], dim=1)
+
+
+def decode_loop(logits, step_fn, gen: GenerationConfig, st, seen, generator, eos, pad: int, max_new: int,
+                input_ids, streamer=None, tokenizer=None) -> torch.Tensor:
+    """Samples up to ``max_new`` tokens per row from the first ``logits`` ``[B, V]``; ``step_fn(tokens,
+    step)`` runs the model on them and returns the next logits. Rows that finish are padded. The
+    host reads the device every ``SYNC_EVERY`` steps (each step with a streamer or stop strings).
+    Returns the generated tokens ``[B, <= max_new]``."""
+    n, dev = logits.shape[0], logits.device
+    eos_ids = eos[eos >= 0]
     out = torch.full((n, max_new), pad, dtype=torch.long, device=dev)
     finished = torch.zeros(n, dtype=torch.bool, device=dev)
     ends = torch.full((n,), max_new, dtype=torch.long, device=dev)  # tokens each row produced
-    pos = torch.tensor(lens, device=dev)
     if streamer is not None:
         streamer.put(input_ids.cpu())
     steps = 0
     for step in range(max_new):
-        if step < gen.min_new_tokens and eos_ids:
-            logits = logits.float().index_fill(1, eos[eos >= 0], float("-inf"))
+        if step < gen.min_new_tokens and eos_ids.numel():
+            logits = logits.float().index_fill(1, eos_ids, float("-inf"))
         tokens = sample(logits, st, seen, generator)
         tokens = torch.where(finished, torch.full_like(tokens, pad), tokens)
         out[:, step] = tokens
@@ -131,12 +144,11 @@ def generate(model, input_ids, attention_mask=None, generation_config=None, stre
             break
         if (step + 1) % SYNC_EVERY == 0 and bool(finished.all()):
             break
-        logits = runner.decode(tokens, pos + step)
+        logits = step_fn(tokens, step)
     if streamer is not None:
         streamer.end()
     # Drop columns past the last row's end (the loop may run a few steps past it between checks).
-    keep = min(int(ends.max()), steps)
-    return torch.cat([input_ids, out[:, :keep]], dim=1)
+    return out[:, : min(int(ends.max()), steps)]
 
 
 def sampling_row(gen: GenerationConfig) -> dict:

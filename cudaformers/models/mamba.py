@@ -210,8 +210,7 @@ class MambaForCausalLM(PreTrainedModel):
 def generate_recurrent(model, input_ids, attention_mask=None, generation_config=None, streamer=None, **kwargs):
     """``generate()`` for recurrent models (``model.prefill`` / ``model.decode``): same arguments,
     left-padding handling, sampling and stop rules as the attention models' generate()."""
-    from ..generation.generate import prepare_prompts, resolve_config, sampling_state
-    from ..generation.logits import sample
+    from ..generation.generate import decode_loop, prepare_prompts, resolve_config, sampling_state
 
     gen = resolve_config(model, generation_config, kwargs)
     if input_ids is None:
@@ -223,28 +222,13 @@ def generate_recurrent(model, input_ids, attention_mask=None, generation_config=
     input_ids, rows, pad, eos_ids, max_new = prepare_prompts(model, input_ids, attention_mask, gen, streamer)
     if max_new <= 0:
         return input_ids
-    n, dev = len(rows), model.device
     st, seen, generator, eos = sampling_state(model, gen, rows, eos_ids)
-    if streamer is not None:
-        streamer.put(input_ids.cpu())
     logits, state = model.prefill(rows)
-    out = torch.full((n, max_new), pad, dtype=torch.long, device=dev)
-    finished = torch.zeros(n, dtype=torch.bool, device=dev)
-    steps = 0
-    for step in range(max_new):
-        if step < gen.min_new_tokens and eos_ids:
-            logits = logits.float().index_fill(1, eos[eos >= 0], float("-inf"))
-        tokens = torch.where(finished, pad, sample(logits, st, seen, generator))
-        out[:, step] = tokens
-        steps = step + 1
-        finished |= torch.isin(tokens, eos)
-        if seen is not None:
-            seen.scatter_(1, tokens[:, None], True)
-        if streamer is not None:
-            streamer.put(tokens.cpu())
-        if step + 1 == max_new or bool(finished.all()):
-            break
-        logits, state = model.decode(tokens, state)
-    if streamer is not None:
-        streamer.end()
-    return torch.cat([input_ids, out[:, :steps]], dim=1)
+
+    def step(tokens, _):
+        nonlocal state
+        next_logits, state = model.decode(tokens, state)
+        return next_logits
+
+    generated = decode_loop(logits, step, gen, st, seen, generator, eos, pad, max_new, input_ids, streamer)
+    return torch.cat([input_ids, generated], dim=1)
