@@ -27,6 +27,10 @@ for part in "${parts[@]}"; do
     decode-kernels) run decode-kernels 40 python3 bench/decode_kernels.py ;;
     fusion-tests) run fusion-tests 90 python3 -m pytest -q -m gpu -p no:cacheprovider \
                     tests/gpu/test_decode_fusion_gpu.py tests/gpu/test_kernels_gpu.py ;;
+    gpu-tests) run gpu-tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 120 tests/gpu ;;
+    generate-ours) run generate-ours 150 python3 bench/generate.py --skip-hf --workloads W1,W3 \
+                     --variants triton+kernels --check-eager --json "$OUT/results.jsonl" ;;
+    decode-profile-32) run decode-profile-32 60 python3 bench/profile_decode.py --attn triton --kernels --batch 32 ;;
     *) echo "unknown part $part" ;;
   esac
 done
