@@ -27,17 +27,21 @@ def prompt_ids(batch: int) -> torch.Tensor:
     return torch.randint(1000, 100000, (batch, PROMPT), generator=g).cuda()
 
 
-def run_hf(folder, batch) -> dict:
+def run_hf(folder, batch, cache: str) -> dict:
     import transformers
 
     (model, load_s) = timed(lambda: transformers.AutoModelForCausalLM.from_pretrained(
         folder, dtype=torch.bfloat16, device_map="cuda", attn_implementation="eager"))
     ids = prompt_ids(batch)
-    kw = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, cache_implementation="static")
+    kw = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
+    if cache == "static":
+        kw["cache_implementation"] = "static"
     try:
         model.generate(ids, **kw)
-        setting = "eager + static cache"
+        setting = f"eager + {cache} cache"
     except Exception as e:  # noqa: BLE001 - report and fall back to the dynamic cache
+        if cache != "static":
+            raise
         print(f"transformers static cache failed ({type(e).__name__}: {e}); using the dynamic cache")
         kw.pop("cache_implementation")
         model.generate(ids, **kw)
@@ -80,6 +84,9 @@ def main() -> None:
     ap.add_argument("--variants", default="sdpa,triton+kernels")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--check-eager", action="store_true", help="also decode without graphs and compare tokens")
+    ap.add_argument("--hf-cache", default="static",
+                    help="transformers' cache: static (its fastest here; compiles the forward on the first call, "
+                         "minutes at batch 32 or 8B) or dynamic (no compile)")
     ap.add_argument("--json", default=None, help="append JSON lines here")
     args = ap.parse_args()
     env = environment()
@@ -99,7 +106,7 @@ def main() -> None:
                 print(f"{wl} {variant}: {results[-1][1]['tok_s']:.1f} tok/s", flush=True)
             except Exception as e:  # noqa: BLE001 - one failing setting must not hide the others
                 print(f"{wl} {variant}: FAILED {type(e).__name__}: {e}")
-        hf = None if args.skip_hf else run_hf(folder, batch)
+        hf = None if args.skip_hf else run_hf(folder, batch, args.hf_cache)
         for variant, ours in results:
             share = ours["weight_bytes"] / (ours["seconds"] / NEW) / bw if batch == 1 else None
             agree = None if hf is None else float((ours["tokens"] == hf["tokens"]).float().mean())

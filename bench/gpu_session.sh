@@ -31,6 +31,11 @@ for part in "${parts[@]}"; do
     generate-ours) run generate-ours 150 python3 bench/generate.py --skip-hf --workloads W1,W3 \
                      --variants triton+kernels --check-eager --json "$OUT/results.jsonl" ;;
     decode-profile-32) run decode-profile-32 60 python3 bench/profile_decode.py --attn triton --kernels --batch 32 ;;
+    quant) run quant 240 python3 bench/quant.py --shapes qwen3-8b --json "$OUT/results.jsonl" ;;
+    w2w3) run w2w3 130 python3 bench/generate.py --workloads W2,W3 --variants triton+kernels --hf-cache dynamic \
+            --json "$OUT/results.jsonl" ;;
+    train-profile) run train-profile 80 python3 bench/profile_train.py ;;
+    serve-online) run serve-online 100 python3 bench/serve_online.py --json "$OUT/results.jsonl" ;;
     *) echo "unknown part $part" ;;
   esac
 done
