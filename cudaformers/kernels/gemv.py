@@ -14,6 +14,10 @@ launch: the input row is built in registers from gate and up as the weights stre
 activation kernel and its intermediate tensor disappear from the decode step. Every program
 recomputes the activation over all of K; that is a few thousand cheap flops against tens of KB of
 weights, and gate/up are read from L2.
+
+On Hopper the GEMV is launched with programmatic dependent launch (``pdl.py``): its grid is
+scheduled while the previous kernel drains and starts streaming its first weight tile before it
+waits for its input, which hides most of the ramp-up that dominates a few-microsecond kernel.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import triton
 import triton.language as tl
 
 from .activation import _act_and_grad, _code
+from .pdl import pdl_enabled, release_dependents, wait_for_producer
 
 MAX_ROWS = 4
 _ELEMENTS = 4096  # weights each program holds per K step (BLOCK_N * BLOCK_K)
@@ -33,8 +38,19 @@ _NO_ACT = -1      # ACT code of the plain GEMV: x is used as loaded
 
 
 @triton.jit
+def _input_tile(x_row, u_row, k, k_ok, ACT: tl.constexpr):
+    """fp32 input columns ``k``: x as loaded, or ``act(gate) * up`` (x is the gate), never stored."""
+    x = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)
+    if ACT >= 0:
+        a, _ = _act_and_grad(x, ACT)
+        x = a * tl.load(u_row + k, mask=k_ok, other=0.0).to(tl.float32)
+    return x
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, u_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_xm, stride_um, stride_wn, stride_ym,
-                 ACT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 ACT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 USE_PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     m = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -43,17 +59,20 @@ def _gemv_kernel(x_ptr, u_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_xm, stride_um, 
     x_row = x_ptr + m.to(tl.int64) * stride_xm
     u_row = u_ptr + m.to(tl.int64) * stride_um
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
+    # The first weight tile (all of this program's weights when K fits one step) is requested while
+    # the previous kernel drains: nothing in the step writes weights. Its input comes after the wait.
+    k_ok = cols < K
+    w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+    wait_for_producer(USE_PDL)
+    release_dependents(USE_PDL)
     # Elementwise products accumulate in fp32 and are reduced once at the end: no per-step shuffles.
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    acc += w.to(tl.float32) * _input_tile(x_row, u_row, cols, k_ok, ACT)[None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         k = k0 + cols
         k_ok = k < K
-        x = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)
-        if ACT >= 0:  # x is the gate: the input row is act(gate) * up, in fp32, never stored
-            a, _ = _act_and_grad(x, ACT)
-            x = a * tl.load(u_row + k, mask=k_ok, other=0.0).to(tl.float32)
         w = tl.load(w_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        acc += w * x[None, :]
+        acc += w * _input_tile(x_row, u_row, k, k_ok, ACT)[None, :]
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
@@ -88,9 +107,10 @@ def _launch(x2, u2, weight, bias, act: int) -> torch.Tensor:
     block_n = _block_n(n, x2.device)
     block_k = min(triton.next_power_of_2(k), _ELEMENTS // block_n)
     grid = (triton.cdiv(n, block_n), m)
+    pdl = pdl_enabled(x2.device)  # GEMVs run without autograd only: always an inference launch
     _gemv_kernel[grid](x2, u2, weight, bias if bias is not None else y, y, n, k, x2.stride(0), u2.stride(0),
                        weight.stride(0), y.stride(0), ACT=act, HAS_BIAS=bias is not None, BLOCK_N=block_n,
-                       BLOCK_K=block_k, num_warps=4, num_stages=3)
+                       BLOCK_K=block_k, USE_PDL=pdl, num_warps=4, num_stages=3, launch_pdl=pdl)
     return y
 
 

@@ -8,9 +8,14 @@ its weights in) and then waits at ``wait_for_producer`` until the predecessor's 
 The contract every kernel launched with ``launch_pdl=True`` keeps:
 - before ``wait_for_producer`` it only *reads* memory no earlier kernel of the step writes
   (weights, constants); every other load and every store comes after it;
+- every program calls ``wait_for_producer`` exactly once, before any branch that could skip it: a
+  grid then cannot complete before its predecessor has, so a chain of early-scheduled kernels stays
+  ordered transitively (kernel N+2 waiting on N+1 also waits on N);
 - ``release_dependents`` comes after ``wait_for_producer``, so at most two grids overlap.
+
 Kernels that skip PDL (torch's own) are ordinary stream dependencies and break no chain: a
-PDL-launched kernel after them simply starts when they end.
+PDL-launched kernel after them simply starts when they end. Training and backward launches stay
+plain; only the inference forward kernels of the decode chain take part.
 
 ``CUDAFORMERS_PDL=0`` turns it off (to measure it, or to rule it out).
 """
