@@ -7,7 +7,8 @@ registers and only ``[programs, H]`` partial sums reach memory.
 
 The forward reads x and residual through their strides (rows of ``[outer, inner, H]`` views whose
 last dim is contiguous, e.g. per-head q/k slices of a packed projection), so no copy precedes it;
-its outputs are contiguous.
+its outputs are contiguous. Without autograd (inference) the forward takes part in the decode
+chain's programmatic dependent launch (``pdl.py``): it loads its weight, then waits for its input.
 """
 
 from __future__ import annotations
@@ -17,16 +18,19 @@ import triton
 import triton.language as tl
 
 from ..layers.norm import rms_norm_reference
+from .pdl import pdl_enabled, release_dependents, wait_for_producer
 
 
 @triton.jit
 def _rms_norm_fwd(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, rstd_ptr, n_rows, n_cols, eps, rows_per_program,
                   n_inner, stride_xo, stride_xi, stride_ro, stride_ri,
-                  HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                  HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # a weight: safe before the wait
+    wait_for_producer(USE_PDL)
+    release_dependents(USE_PDL)
     for i in range(rows_per_program):
         row = pid * rows_per_program + i
         if row < n_rows:
@@ -93,8 +97,9 @@ def _rows(x: torch.Tensor, inner: int) -> torch.Tensor:
     return x.contiguous().view(-1, inner, x.shape[-1])
 
 
-def rms_norm_forward(x, weight, eps, residual=None):
-    """x ``[..., H]`` -> ``(y, s, rstd)``; ``s`` is ``x + residual`` (or ``x``), rstd ``[rows]`` fp32."""
+def rms_norm_forward(x, weight, eps, residual=None, pdl: bool = False):
+    """x ``[..., H]`` -> ``(y, s, rstd)``; ``s`` is ``x + residual`` (or ``x``), rstd ``[rows]`` fp32.
+    ``pdl``: launch as part of a programmatic-dependent chain (inference only; see ``pdl.py``)."""
     shape = x.shape
     n_cols = shape[-1]
     n_rows = x.numel() // n_cols if n_cols else 0
@@ -115,7 +120,7 @@ def rms_norm_forward(x, weight, eps, residual=None):
     r_or_x = r3 if r3 is not None else x3
     _rms_norm_fwd[(programs,)](x3, r_or_x, weight, y, s, rstd, n_rows, n_cols, eps, per,
                                inner, x3.stride(0), x3.stride(1), r_or_x.stride(0), r_or_x.stride(1),
-                               HAS_RESIDUAL=r3 is not None, BLOCK=block)
+                               HAS_RESIDUAL=r3 is not None, BLOCK=block, USE_PDL=pdl, launch_pdl=pdl)
     return y, s, rstd
 
 
@@ -155,7 +160,7 @@ def rms_norm(x, weight, eps: float, residual=None):
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                     or (residual is not None and residual.requires_grad)):
         return _RMSNorm.apply(x, weight, eps, residual)
-    y, s, _ = rms_norm_forward(x, weight, eps, residual)
+    y, s, _ = rms_norm_forward(x, weight, eps, residual, pdl=pdl_enabled(x.device))
     return y if residual is None else (y, s)
 
 
