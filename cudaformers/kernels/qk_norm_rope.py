@@ -9,6 +9,7 @@ channels of every head (transformers' rotate_half layout); the rest pass through
 Everything is computed in fp32 from the loaded values and rounded once, at the store. There is no
 backward: this is the inference kernel of the "rotary_pos_emb" layer type; when autograd needs
 gradients through q or k it hands over to the differentiable kernels (``rms_norm`` + ``rotary``).
+On Hopper it launches as part of the decode chain's programmatic dependent launch (``pdl.py``).
 """
 
 from __future__ import annotations
@@ -20,13 +21,15 @@ import triton
 import triton.language as tl
 
 from ..layers.rotary import apply_rotary_reference
+from .pdl import pdl_enabled, release_dependents, wait_for_producer
 
 logger = logging.getLogger("cudaformers")
 
 
 @triton.jit
 def _norm_rope_heads(x_ptr, o_ptr, w_ptr, cos_row, sin_row, stride_t, stride_h, t, n_heads, eps, half, rot,
-                     HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                     HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                     USE_PDL: tl.constexpr):
     cols = tl.arange(0, BLOCK_D)[None, :]
     col_ok = cols < HEAD_DIM
     # rotate_half: channel c < half pairs with c + half (and subtracts it), half <= c < rot with c - half.
@@ -34,11 +37,14 @@ def _norm_rope_heads(x_ptr, o_ptr, w_ptr, cos_row, sin_row, stride_t, stride_h, 
     rotated = cols < rot
     partner = tl.where(first, cols + half, tl.where(rotated, cols - half, cols))
     sign = tl.where(first, -1.0, 1.0)
-    c = tl.load(cos_row + cols, mask=rotated, other=1.0).to(tl.float32)
-    s = sign * tl.load(sin_row + cols, mask=rotated, other=0.0).to(tl.float32)
-    if HAS_NORM:
+    if HAS_NORM:  # weights: loaded while the previous kernel drains
         w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
         w_partner = tl.load(w_ptr + partner, mask=col_ok, other=0.0).to(tl.float32)
+    # cos/sin are computed from the step's positions, q/k by the projection: both after the wait.
+    wait_for_producer(USE_PDL)
+    release_dependents(USE_PDL)
+    c = tl.load(cos_row + cols, mask=rotated, other=1.0).to(tl.float32)
+    s = sign * tl.load(sin_row + cols, mask=rotated, other=0.0).to(tl.float32)
     for h0 in range(0, n_heads, BLOCK_H):
         heads = h0 + tl.arange(0, BLOCK_H)[:, None]
         mask = (heads < n_heads) & col_ok
@@ -58,17 +64,18 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, qw_ptr, kw_ptr, cos_ptr, 
                          stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, stride_st,
                          n_q_heads, n_kv_heads, q_eps, k_eps, half, rot,
                          HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr,
-                         BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr):
+                         BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr,
+                         USE_PDL: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     cos_row = cos_ptr + t * stride_ct
     sin_row = sin_ptr + t * stride_st
     # Axis 1 picks q or k: two programs per token keep the k heads off the q heads' critical path.
     if tl.program_id(1) == 0:
         _norm_rope_heads(q_ptr, qo_ptr, qw_ptr, cos_row, sin_row, stride_qt, stride_qh, t, n_q_heads, q_eps,
-                         half, rot, HEAD_DIM, HAS_NORM, BLOCK_HQ, BLOCK_D)
+                         half, rot, HEAD_DIM, HAS_NORM, BLOCK_HQ, BLOCK_D, USE_PDL)
     else:
         _norm_rope_heads(k_ptr, ko_ptr, kw_ptr, cos_row, sin_row, stride_kt, stride_kh, t, n_kv_heads, k_eps,
-                         half, rot, HEAD_DIM, HAS_NORM, BLOCK_HK, BLOCK_D)
+                         half, rot, HEAD_DIM, HAS_NORM, BLOCK_HK, BLOCK_D, USE_PDL)
 
 
 def _heads_per_tile(n_heads: int, block_d: int) -> int:
@@ -113,12 +120,14 @@ def qk_norm_rope_forward(q, k, cos, sin, q_weight=None, k_weight=None, q_eps: fl
     if t == 0:
         return q_out, k_out
     block_d = triton.next_power_of_2(d)
+    pdl = pdl_enabled(q.device)  # no backward: always an inference launch
     _qk_norm_rope_kernel[(t, 2)](
         q, k, q_out, k_out, q_weight if has_norm else cos, k_weight if has_norm else cos, cos, sin,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),
         hq, hkv, q_eps, k_eps, rot // 2, rot,
         HEAD_DIM=d, HAS_NORM=has_norm, BLOCK_HQ=_heads_per_tile(hq, block_d), BLOCK_HK=_heads_per_tile(hkv, block_d),
-        BLOCK_D=block_d, num_warps=4 if block_d * triton.next_power_of_2(max(hq, hkv)) >= 2048 else 2)
+        BLOCK_D=block_d, USE_PDL=pdl, num_warps=4 if block_d * triton.next_power_of_2(max(hq, hkv)) >= 2048 else 2,
+        launch_pdl=pdl)
     return q_out, k_out
 
 
