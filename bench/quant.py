@@ -6,9 +6,9 @@
 kernels: the dequantize-matmul on qwen3-8b layer shapes at M = 1, 16, 256 against the bf16 cuBLAS
 matmul (CUDA-graph replays, so launch overhead is not measured), with the packed bytes streamed per
 second as a share of the measured copy bandwidth. decode: W1/W2 (generate, batch 1, 128-token prompt,
-256 new tokens, greedy; triton attention and use_kernels=True for every method, bf16 too) per method on the same saved random weights, with peak memory. qlora: one
-NF4 + LoRA (r 16, all linear layers) training step on qwen3-8b shapes at batch 1 x 2048 with
-gradient checkpointing: peak memory (goal <= 12 GiB) and step time. Each case runs in its own
+256 new tokens, greedy; triton attention and use_kernels=True for every method, bf16 too) per method
+on the same saved random weights, with peak memory. qlora: one NF4 + LoRA (r 16, all linear layers)
+training step on qwen3-8b shapes at batch 1 x 2048 with gradient checkpointing: peak memory (goal <= 12 GiB) and step time. Each case runs in its own
 try/except: a failure is printed and the run goes on.
 """
 
