@@ -6,7 +6,9 @@ strides, last dim contiguous), so no ``.contiguous()`` copy precedes the store. 
 negative slots (padding rows) are skipped. A copy with at most a dtype cast: bit-exact against
 ``index_copy_`` wherever the cast rounds like PyTorch (always on the GPU).
 
-The grid depends only on shapes, nothing is read back to the host: capturable in a CUDA graph.
+The grid depends only on shapes, nothing is read back to the host: capturable in a CUDA graph. On
+Hopper it launches as part of the decode chain's programmatic dependent launch (``pdl.py``); with
+nothing but activations to read, it waits before its first load.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_enabled, release_dependents, wait_for_producer
+
 # Casts Triton and PyTorch round alike; other cache dtypes (fp8) keep the PyTorch store.
 CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -22,8 +26,11 @@ CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 @triton.jit
 def _store_kv_kernel(K, V, K_CACHE, V_CACHE, slot_mapping, n_heads,
                      stride_kt, stride_kh, stride_vt, stride_vh,
-                     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                     USE_PDL: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
+    wait_for_producer(USE_PDL)  # every program, padding rows included
+    release_dependents(USE_PDL)
     slot = tl.load(slot_mapping + t).to(tl.int64)
     if slot >= 0:
         cols = tl.arange(0, BLOCK_D)[None, :]
@@ -61,9 +68,10 @@ def store_kv_triton(k_cache, v_cache, k, v, slot_mapping) -> None:
     v = v if v.stride(-1) == 1 else v.contiguous()
     block_d = triton.next_power_of_2(d)
     block_h = min(triton.next_power_of_2(h), max(1, 4096 // block_d))
+    pdl = pdl_enabled(k.device)
     _store_kv_kernel[(t,)](k, v, k_cache, v_cache, slot_mapping, h, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                           HEAD_DIM=d, BLOCK_H=block_h, BLOCK_D=block_d,
-                           num_warps=4 if block_h * block_d >= 2048 else 2)
+                           HEAD_DIM=d, BLOCK_H=block_h, BLOCK_D=block_d, USE_PDL=pdl,
+                           num_warps=4 if block_h * block_d >= 2048 else 2, launch_pdl=pdl)
 
 
 def store_kv_reference(k_cache, v_cache, k, v, slot_mapping) -> None:
