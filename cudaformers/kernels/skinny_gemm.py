@@ -1,0 +1,262 @@
+"""Skinny matmul ``y = x @ W.T + b`` for decode batches of a few dozen rows, on tensor cores.
+
+At 5-64 rows a projection is still memory-bound (a few dozen flops per weight loaded): the whole
+job is streaming W once at full bandwidth with enough programs in flight to cover every SM. Below
+5 rows ``gemv.py`` does that with elementwise FMAs; here the rows are enough to need ``tl.dot``.
+
+Each program owns ``BLOCK_N`` output features for ``BLOCK_M`` rows (all of them, up to 128) and
+walks a range of K. The weights are the MMA's wide operand: ``acc[BLOCK_N, BLOCK_M] = W_tile @
+x_tile.T``, so a 64-feature tile fills the tensor core's 64-row side while the batch (16, 32...)
+sits on its narrow side. Small N gives too few tiles for the SMs, so K is split: every split stores
+an fp32 partial and the last split of a tile to arrive (a per-tile counter) sums all partials in
+split order. One launch, and bitwise the same result whichever split finishes last.
+
+``skinny_linear`` is the entry (forward only; ``F.linear`` is the reference); ``skinny_applies``
+says whether it should take a call, with the row range as a parameter (``ROWS`` by default).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ..errors import UnsupportedError
+from .pdl import pdl_enabled, release_dependents, wait_for_producer
+
+logger = logging.getLogger("cudaformers")
+
+ROWS = (5, 64)        # rows (tokens) skinny_applies accepts by default; gemv.py takes 1-4
+_COUNTERS = 4096      # split-K tile counters held per device; a split call uses one per tile
+_MAX_BLOCK_M = 128
+_counters: dict[str, torch.Tensor] = {}
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@triton.jit
+def _dot(a, b, acc, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    # The interpreter's half-precision tl.dot is broken (triton 3.9): fp32 operands there, which
+    # is exact for half inputs and matches a tensor core accumulating in fp32.
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc, input_precision=PREC)
+
+
+@triton.jit
+def _store_rows(acc, b_ptr, y_ptr, offs_n, offs_m, n_ok, m_ok, stride_ym, HAS_BIAS: tl.constexpr):
+    """acc ``[BLOCK_N, BLOCK_M]`` fp32 (+ bias) -> ``y[m, n]`` in y's dtype."""
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    y = y_ptr + offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
+
+
+@triton.jit
+def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, K_SPLIT, NUM_SPLITS,
+                   stride_xm, stride_wn, stride_ym,
+                   HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+                   USE_PDL: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_ok = offs_n < N
+    m_ok = offs_m < M
+    k_begin = pid_k * K_SPLIT  # splits start on BLOCK_K boundaries, so only K itself needs a mask
+    k_end = tl.minimum(k_begin + K_SPLIT, K)
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+
+    # The first weight tile streams in before waiting on the previous kernel (weights are constant);
+    # the activations come after the wait.
+    k_ok = (k_begin + offs_k) < K
+    if EVEN:
+        w = tl.load(w_rows + k_begin)
+    else:
+        w = tl.load(w_rows + k_begin, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+    wait_for_producer(USE_PDL)
+    x = tl.load(x_rows + k_begin, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+    acc = _dot(w, tl.trans(x), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), PREC, UPCAST)
+    for k0 in range(k_begin + BLOCK_K, k_end, BLOCK_K):
+        k_ok = (k0 + offs_k) < K
+        if EVEN:
+            w = tl.load(w_rows + k0)
+        else:
+            w = tl.load(w_rows + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(x_rows + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = _dot(w, tl.trans(x), acc, PREC, UPCAST)
+    release_dependents(USE_PDL)
+
+    if SPLIT_K:
+        # part: [NUM_SPLITS, M, N] fp32. The counter's acq_rel add publishes this partial (the
+        # barrier first lets every thread's stores land) and, for the last arrival, makes all the
+        # others visible; ".cg" reads them from L2, past this SM's L1.
+        out_ok = n_ok[:, None] & m_ok[None, :]
+        part = part_ptr + offs_m[None, :] * N + offs_n[:, None]
+        tl.store(part + pid_k * M * N, acc, mask=out_ok)
+        tl.debug_barrier()
+        tile = count_ptr + pid_m * tl.num_programs(0) + pid_n
+        arrived = tl.atomic_add(tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == NUM_SPLITS - 1:
+            total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            for s in range(0, NUM_SPLITS):  # fixed order: deterministic
+                total += tl.load(part + s * M * N, mask=out_ok, other=0.0, cache_modifier=".cg")
+            tl.store(tile, 0)  # zero again for the next call (graph replays reuse the counters)
+            _store_rows(total, b_ptr, y_ptr, offs_n, offs_m, n_ok, m_ok, stride_ym, HAS_BIAS)
+    else:
+        _store_rows(acc, b_ptr, y_ptr, offs_n, offs_m, n_ok, m_ok, stride_ym, HAS_BIAS)
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    block_m: int     # rows per program (16..128, a power of two)
+    block_n: int     # output features per program
+    block_k: int     # K per step
+    k_split: int     # K per program, a multiple of block_k; >= K: no split
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter: small grids, so tests on small shapes exercise split-K
+
+
+def plan(m: int, n: int, k: int, dtype: torch.dtype, sms: int, split_ok: bool = True) -> SkinnyConfig:
+    """The launch shape for ``[m, k] @ [n, k].T``: enough programs to cover the SMs twice, first
+    through narrower output tiles, then by splitting K (bounded so the fp32 partials stay a small
+    fraction of the weight bytes)."""
+    cdiv = triton.cdiv
+    block_m = min(max(16, triton.next_power_of_2(m)), _MAX_BLOCK_M)
+    elem = 4 if dtype == torch.float32 else 2
+    # 256-byte weight rows per step; half that when a 128-row x tile shares the shared memory.
+    block_k = (256 if block_m <= 64 else 128) // elem
+    if interpreting():
+        block_k = 32
+    m_tiles = cdiv(m, block_m)
+    block_n = 64 if cdiv(n, 64) * m_tiles >= sms or interpreting() else 32
+    if interpreting():
+        block_n = 16
+    tiles = cdiv(n, block_n) * m_tiles
+    steps = cdiv(k, block_k)
+    # Per output feature a split writes block_m fp32 partials against 2k weight bytes read: keep the
+    # partials (written once, read once from L2) at most half the weight bytes.
+    max_split = max(1, k // (4 * block_m))
+    split = 1
+    while (split_ok and tiles * split < 2 * sms and split * 2 <= min(steps, max_split)
+           and tiles <= _COUNTERS):
+        split *= 2
+    per_split = cdiv(steps, split)
+    return SkinnyConfig(block_m, block_n, block_k, per_split * block_k,
+                        num_stages=1 if per_split == 1 else 2 if per_split == 2 else 3)
+
+
+def _tile_counters(device: torch.device) -> torch.Tensor | None:
+    """The device's split-K counters (all zero between calls), or None inside a CUDA graph capture
+    that would have to create them: a buffer made there is not zeroed until the graph first runs.
+    Split calls on one device share these counters, so they must not run concurrently on two streams."""
+    key = str(device)
+    counters = _counters.get(key)
+    if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        counters = torch.zeros(_COUNTERS, dtype=torch.int32, device=device)
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()  # zeroed before any stream uses them
+        _counters[key] = counters
+    return counters
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``[..., K]`` -> ``[M, K]`` with unit stride along K; a strided view (a slice of a packed
+    projection output) stays a view."""
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"input of {x.shape[-1]} features does not match the weight {tuple(weight.shape)} "
+                         "([out_features, in_features])")
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"bias {tuple(bias.shape)} must be [{weight.shape[0]}] (the weight's out_features)")
+    tensors = [x, weight] + ([bias] if bias is not None else [])
+    if any(t.dtype != x.dtype for t in tensors) or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise UnsupportedError(f"skinny_linear needs one dtype among float16, bfloat16, float32 for input, weight "
+                               f"and bias, got {[t.dtype for t in tensors]}; cast them, or use F.linear")
+    if any(t.device != x.device for t in tensors):
+        raise ValueError(f"input, weight and bias are on different devices: {[str(t.device) for t in tensors]}")
+    if not _triton_ok(x):
+        raise UnsupportedError(f"skinny_linear runs on CUDA (or with TRITON_INTERPRET=1), not {x.device}; "
+                               "use F.linear there")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        raise UnsupportedError("skinny_linear has no backward; call it under torch.no_grad() / inference_mode, "
+                               "or use F.linear where gradients are needed")
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  config: SkinnyConfig | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``: x ``[..., K]`` (strided rows allowed), weight ``[N, K]`` -> ``[..., N]``
+    in x's dtype, accumulated in fp32 (fp32 inputs: exact fp32 products, no tf32). ``config``
+    overrides the heuristic launch shape (benchmarks)."""
+    _check(x, weight, bias)
+    x2 = _rows(x)
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    m, k = x2.shape
+    n = weight.shape[0]
+    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    if m == 0 or n == 0:
+        return y.view(*x.shape[:-1], n)
+    if k == 0:
+        return (y.zero_() if bias is None else y.copy_(bias.expand(m, n))).view(*x.shape[:-1], n)
+    counters = _tile_counters(x.device)
+    if counters is None:
+        logger.info("skinny GEMM: first call inside a CUDA graph capture, so this call runs without split-K; "
+                    "run one call before capturing for the faster launch")
+    cfg = config or plan(m, n, k, x.dtype, _sm_count(x.device), split_ok=counters is not None)
+    if cfg.block_k <= 0 or cfg.k_split % cfg.block_k:
+        raise ValueError(f"{cfg}: k_split must be a positive multiple of block_k")
+    splits = triton.cdiv(k, cfg.k_split)
+    grid = (triton.cdiv(n, cfg.block_n), splits, triton.cdiv(m, cfg.block_m))
+    split_k = splits > 1
+    if split_k and (counters is None or grid[0] * grid[2] > _COUNTERS):
+        raise ValueError(f"{cfg} splits K into {splits} for {grid[0] * grid[2]} tiles; at most {_COUNTERS} "
+                         "tiles split, and none while capturing the first call into a CUDA graph")
+    part = torch.empty(splits, m, n, device=x.device, dtype=torch.float32) if split_k else y
+    use_pdl = pdl_enabled(x.device)
+    extra = {"launch_pdl": True} if use_pdl else {}
+    _skinny_kernel[grid](
+        x2, weight, bias if bias is not None else y, y, part, counters if split_k else y, m, n, k, cfg.k_split,
+        splits, x2.stride(0), weight.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, SPLIT_K=split_k, EVEN=(n % cfg.block_n == 0 and k % cfg.block_k == 0),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        PREC="ieee" if x.dtype == torch.float32 else "tf32", UPCAST=interpreting(), USE_PDL=use_pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra)
+    return y.view(*x.shape[:-1], n)
+
+
+def _triton_ok(x: torch.Tensor) -> bool:
+    return x.device.type == "cuda" or interpreting()
+
+
+def skinny_applies(weight: torch.Tensor, x: torch.Tensor, rows: tuple[int, int] = ROWS) -> bool:
+    """Whether ``skinny_linear`` should take ``F.linear(x, weight)``: ``rows[0] <= tokens <= rows[1]``,
+    no autograd, one supported dtype, a dense weight contiguous along K, a device Triton runs on."""
+    tokens = x.numel() // max(x.shape[-1], 1)
+    needs_grad = torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad)
+    return (rows[0] <= tokens <= rows[1] and not needs_grad and weight.dim() == 2
+            and weight.shape[1] == x.shape[-1] and weight.stride(-1) == 1 and x.dtype == weight.dtype
+            and x.dtype in (torch.float16, torch.bfloat16, torch.float32) and x.device == weight.device
+            and _triton_ok(x))

@@ -1,0 +1,133 @@
+"""The skinny (5-64 row) tensor-core GEMM against F.linear: odd and power-of-two shapes, all dtypes,
+bias, strided rows, split-K (deterministic, counters left at zero), the launch plan and the errors."""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import cudaformers.kernels.skinny_gemm as sg
+from cudaformers.errors import UnsupportedError
+from cudaformers.kernels.skinny_gemm import SkinnyConfig, plan, skinny_applies, skinny_linear
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _inputs(m, n, k, dtype, bias, seed=0):
+    g = torch.Generator().manual_seed(seed + m * 1000 + n + k)
+    x = torch.randn(m, k, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(DEVICE, dtype)
+    b = torch.randn(n, generator=g).to(DEVICE, dtype) if bias else None
+    return x, w, b
+
+
+def _assert_close(got, x, w, b):
+    """Against fp64: fp32 to 1e-5; half types to twice the error of F.linear in fp32 rounded to the
+    dtype, plus one output ulp (the interpreter rounds fp32 -> half toward zero, GPUs to nearest)."""
+    dtype = x.dtype
+    exact = F.linear(x.double(), w.double(), None if b is None else b.double())
+    same = F.linear(x.float(), w.float(), None if b is None else b.float()).to(dtype)
+    err = (got.double() - exact).abs().max()
+    ulp = exact.abs().max() * {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}.get(dtype, 0.0)
+    tol = 1e-5 if dtype == torch.float32 else 2 * (same.double() - exact).abs().max() + ulp
+    assert got.dtype == dtype and got.shape == exact.shape
+    assert err <= tol, (err, tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k", [(5, 37, 100), (8, 64, 256), (17, 130, 77), (32, 16, 513), (64, 48, 64)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_reference(m, n, k, dtype, bias):
+    x, w, b = _inputs(m, n, k, dtype, bias)
+    _assert_close(skinny_linear(x, w, b), x, w, b)
+
+
+# block_m, block_n, block_k, k_split: several row tiles, uneven last split, a split of one step,
+# ragged N and K (masked weights) and exact multiples (the unmasked EVEN path).
+CONFIGS = [SkinnyConfig(16, 16, 32, 64), SkinnyConfig(16, 32, 16, 16), SkinnyConfig(32, 16, 64, 128),
+           SkinnyConfig(64, 16, 32, 1024)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"m{c.block_m}n{c.block_n}k{c.block_k}s{c.k_split}")
+@pytest.mark.parametrize("m,n,k", [(37, 48, 160), (9, 33, 150)])
+def test_split_k_configs(cfg, m, n, k, dtype):
+    x, w, b = _inputs(m, n, k, dtype, bias=True)
+    got = skinny_linear(x, w, b, config=cfg)
+    _assert_close(got, x, w, b)
+    assert torch.equal(got, skinny_linear(x, w, b, config=cfg))  # fixed summation order
+    assert not sg._counters[str(x.device)].any()  # every tile counter reset for the next call
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_strided_rows_of_a_packed_output(dtype):
+    m, k, n = 12, 96, 40
+    g = torch.Generator().manual_seed(3)
+    packed = torch.randn(m, 3 * k, generator=g).to(DEVICE, dtype)
+    x = packed[:, k:2 * k]  # e.g. the k part of a packed q/k/v projection output
+    assert x.stride(0) == 3 * k and not x.is_contiguous()
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(DEVICE, dtype)
+    _assert_close(skinny_linear(x, w), x.contiguous(), w, None)
+
+
+def test_leading_dims_and_empty():
+    x, w, b = _inputs(12, 24, 40, torch.float32, bias=True)
+    y = skinny_linear(x.view(3, 4, 40), w, b)
+    assert y.shape == (3, 4, 24)
+    _assert_close(y.view(12, 24), x, w, b)
+    assert skinny_linear(x[:0], w, b).shape == (0, 24)
+
+
+def test_applies():
+    w = torch.randn(16, 32, device=DEVICE)
+    rows = lambda m, **kw: skinny_applies(w, torch.randn(m, 32, device=DEVICE), **kw)  # noqa: E731
+    with torch.no_grad():
+        assert [rows(m) for m in (4, 5, 64, 65)] == [False, True, True, False]
+        assert rows(100, rows=(5, 128)) and not rows(6, rows=(8, 64))
+        assert not skinny_applies(w, torch.randn(8, 32, device=DEVICE, dtype=torch.bfloat16))  # mixed dtypes
+        assert not skinny_applies(w.t().contiguous().t(), torch.randn(8, 32, device=DEVICE))  # K not contiguous
+    assert not skinny_applies(w.requires_grad_(), torch.randn(8, 32, device=DEVICE))  # autograd wanted
+
+
+def test_errors(monkeypatch):
+    x, w, b = _inputs(8, 16, 32, torch.float32, bias=True)
+    with pytest.raises(ValueError, match="does not match the weight"):
+        skinny_linear(x[:, :31], w)
+    with pytest.raises(ValueError, match="bias"):
+        skinny_linear(x, w, b[:3])
+    with pytest.raises(UnsupportedError, match="one dtype"):
+        skinny_linear(x.half(), w)
+    with pytest.raises(UnsupportedError, match="no backward"):
+        skinny_linear(x, w.clone().requires_grad_())
+    with pytest.raises(ValueError, match="multiple of block_k"):
+        skinny_linear(x, w, config=SkinnyConfig(16, 16, 32, 48))
+    if DEVICE == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        with pytest.raises(UnsupportedError, match="runs on CUDA"):
+            skinny_linear(x, w)
+
+
+QWEN_SHAPES = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072),
+               (6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]
+
+
+@pytest.mark.parametrize("m", [5, 8, 32, 64, 128])
+@pytest.mark.parametrize("n,k", QWEN_SHAPES)
+def test_plan_on_an_h200(monkeypatch, n, k, m):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the GPU plan, not the interpreter's small blocks
+    sms = 132
+    cfg = plan(m, n, k, torch.bfloat16, sms)
+    steps = -(-k // cfg.block_k)
+    splits = -(-k // cfg.k_split)
+    programs = -(-n // cfg.block_n) * -(-m // cfg.block_m) * splits
+    assert cfg.block_m >= min(m, 128) and cfg.k_split % cfg.block_k == 0 and splits <= steps
+    # Per output feature: fp32 partials written (splits * block_m * 4 bytes) <= half its weight bytes (2k).
+    assert splits * cfg.block_m * 4 <= k or splits == 1
+    split_capped = splits * 2 > min(steps, k // (4 * cfg.block_m))
+    assert programs >= 2 * sms or split_capped  # the SMs covered twice, unless splitting further costs too much
+    assert -(-n // cfg.block_n) * -(-m // cfg.block_m) * (splits // 2) < 2 * sms or splits == 1  # no needless split
+    assert plan(m, n, k, torch.bfloat16, sms, split_ok=False).k_split >= k
