@@ -127,7 +127,7 @@ class SkinnyConfig:
     num_stages: int = 3
 
 
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4  # the interpreter: small grids, so tests on small shapes exercise split-K
@@ -225,7 +225,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if counters is None:
         logger.info("skinny GEMM: first call inside a CUDA graph capture, so this call runs without split-K; "
                     "run one call before capturing for the faster launch")
-    cfg = config or plan(m, n, k, x.dtype, _sm_count(x.device), split_ok=counters is not None)
+    cfg = config or plan(m, n, k, x.dtype, sm_count(x.device), split_ok=counters is not None)
     if cfg.block_k <= 0 or cfg.k_split % cfg.block_k:
         raise ValueError(f"{cfg}: k_split must be a positive multiple of block_k")
     splits = triton.cdiv(k, cfg.k_split)

@@ -1,0 +1,146 @@
+"""Decode-batch projections (M = 8..128 rows): the skinny Triton GEMM vs F.linear (cuBLAS), in CUDA graphs.
+
+    python bench/skinny_gemm.py                 # heuristic launch plan, ~30 s
+    python bench/skinny_gemm.py --sweep --m 32  # also time a grid of plans per shape (minutes)
+
+Shapes are the four projections of qwen3-0.6b and qwen3-8b (q/k/v and gate/up packed), bf16, no
+bias. Each op is captured 50 times into one CUDA graph and the graph replayed; the 50 calls cycle
+through enough copies of the weight to overflow L2, so every call streams its weights from HBM as
+a decode step does (each layer has its own). TB/s counts weight bytes only. The last tables give the
+crossover (the row counts where the skinny kernel wins, per shape) and the four projections of one
+layer summed, which is what a decode step gains per layer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from cudaformers.kernels.skinny_gemm import SkinnyConfig, plan, skinny_linear, sm_count  # noqa: E402
+
+DTYPE = torch.bfloat16
+REPS = 50
+SHAPES = [  # model, projection, N, K
+    ("0.6b", "qkv", 4096, 1024), ("0.6b", "o", 1024, 2048), ("0.6b", "gate_up", 6144, 1024), ("0.6b", "down", 1024, 3072),
+    ("8b", "qkv", 6144, 4096), ("8b", "o", 4096, 4096), ("8b", "gate_up", 24576, 4096), ("8b", "down", 4096, 12288),
+]
+
+
+def graph_us(calls) -> float:
+    """Microseconds per call: REPS calls (cycling through ``calls``) captured into one graph, best of 5 replays."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in calls:  # compile and warm up outside the capture
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(REPS):
+            calls[i % len(calls)]()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(5):
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) * 1000 / REPS)
+    del graph
+    return best
+
+
+def weight_copies(n: int, k: int) -> list[torch.Tensor]:
+    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 64 << 20)
+    count = min(REPS, max(1, -(-2 * l2 // (n * k * DTYPE.itemsize))))
+    return [(torch.randn(n, k, device="cuda") / k ** 0.5).to(DTYPE) for _ in range(count)]
+
+
+def sweep_configs(m: int, n: int, k: int) -> list[SkinnyConfig]:
+    block_m = min(max(16, triton.next_power_of_2(m)), 128)
+    block_k = 128 if block_m <= 64 else 64
+    out = []
+    for block_n, splits in itertools.product((32, 64, 128), (1, 2, 4, 8, 16)):
+        per = -(-k // block_k) // splits
+        tiles = -(-n // block_n) * -(-m // block_m)
+        if per >= 1 and (splits == 1 or tiles <= 4096):
+            out.append(SkinnyConfig(block_m, block_n, block_k, per * block_k,
+                                    num_stages=1 if per == 1 else 2 if per == 2 else 3))
+    return out
+
+
+def describe(cfg: SkinnyConfig, k: int) -> str:
+    return f"n{cfg.block_n}/m{cfg.block_m}/k{cfg.block_k} x{-(-k // cfg.k_split)} s{cfg.num_stages}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--m", type=int, nargs="+", default=[8, 16, 32, 64, 128], help="rows (tokens) per call")
+    parser.add_argument("--sweep", action="store_true", help="also time a grid of launch plans per shape")
+    args = parser.parse_args()
+    t0 = time.perf_counter()
+    sms = sm_count(torch.device("cuda"))
+    rows, best_rows = [], []
+    times: dict[tuple, tuple[float, float]] = {}
+    for model, name, n, k in SHAPES:
+        ws = weight_copies(n, k)
+        for m in args.m:
+            x = torch.randn(m, k, device="cuda", dtype=DTYPE)
+            ref = F.linear(x.float(), ws[0].float())
+            err = ((skinny_linear(x, ws[0]).float() - ref).abs().max() / ref.abs().max()).item()
+            cublas = graph_us([lambda w=w: F.linear(x, w) for w in ws])
+            ours = graph_us([lambda w=w: skinny_linear(x, w) for w in ws])
+            times[model, name, m] = (cublas, ours)
+            cfg = plan(m, n, k, DTYPE, sms)
+            tbs = n * k * DTYPE.itemsize / ours / 1e6
+            rows.append((f"{model} {name}", f"{n}x{k}", str(m), f"{cublas:.1f}", f"{ours:.1f}", f"{tbs:.2f}",
+                         f"{cublas / ours:.2f}x", describe(cfg, k), f"{err:.1e}"))
+            if args.sweep:
+                timed = [(graph_us([lambda w=w, c=c: skinny_linear(x, w, config=c) for w in ws]), c)
+                         for c in sweep_configs(m, n, k)]
+                us, c = min(timed, key=lambda t: t[0])
+                best_rows.append((f"{model} {name}", str(m), f"{ours:.1f}", describe(cfg, k), f"{us:.1f}",
+                                  describe(c, k), f"{n * k * DTYPE.itemsize / us / 1e6:.2f}"))
+        del ws
+        torch.cuda.empty_cache()
+
+    print(f"\n{torch.cuda.get_device_name()} ({sms} SMs), {str(DTYPE)[6:]}, us per call in a graph of {REPS}, "
+          "weights from HBM")
+    table(("shape", "N x K", "M", "cuBLAS us", "skinny us", "TB/s", "speed-up", "plan (tile/split/stages)", "rel err"),
+          rows)
+    if best_rows:
+        print("\nsweep: heuristic plan vs the best of the grid")
+        table(("shape", "M", "heuristic us", "plan", "best us", "best plan", "TB/s"), best_rows)
+    print("\ncrossover: rows where the skinny kernel beats cuBLAS")
+    table(("shape", "wins at M", "loses at M"),
+          [(f"{model} {name}", " ".join(str(m) for m in args.m if times[model, name, m][1] < times[model, name, m][0]),
+            " ".join(str(m) for m in args.m if times[model, name, m][1] >= times[model, name, m][0]))
+           for model, name, _, _ in SHAPES])
+    print("\nper layer (4 projections summed)")
+    layer_rows = []
+    for model, m in itertools.product(("0.6b", "8b"), args.m):
+        pairs = [times[model, name, m] for mdl, name, _, _ in SHAPES if mdl == model]
+        cublas, ours, best = (sum(p[0] for p in pairs), sum(p[1] for p in pairs), sum(min(p) for p in pairs))
+        layer_rows.append((model, str(m), f"{cublas:.1f}", f"{ours:.1f}", f"{best:.1f}", f"{cublas / best:.2f}x"))
+    table(("model", "M", "cuBLAS us", "skinny us", "best-of us", "speed-up"), layer_rows)
+    print(f"\n({time.perf_counter() - t0:.0f} s)")
+
+
+def table(header, rows) -> None:
+    widths = [max(len(str(r[i])) for r in (header, *rows)) for i in range(len(header))]
+    for r in (header, *rows):
+        print("  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+
+
+if __name__ == "__main__":
+    main()
