@@ -97,6 +97,18 @@ def _fused_mlp_decode(self, x):
     return down(self.act_fn(gate, up))  # GatedMLP.forward, past the projections
 
 
+def _gated_mlp_recompute(self, x):
+    import torch
+
+    from ..layers.mlp import GatedMLP
+    from .gated_mlp import recomputed_gated_mlp
+
+    projections = (self.gate_proj, self.up_proj, self.down_proj)
+    if torch.is_grad_enabled() and all(_streams_plainly(m) for m in projections):
+        return recomputed_gated_mlp(x, *projections, self.act_fn)
+    return GatedMLP.forward(self, x)  # no grad (evaluation) or wrapped projections (LoRA, FSDP, TP)
+
+
 def _moe_experts(self, hidden, top_k_index, top_k_weights):
     from .moe import moe_experts
 
@@ -164,9 +176,12 @@ LAYER_TYPES = {t.name: t for t in [
     LayerType("Linear", _is_plain_linear, {"cudaformers:gemv": _linear},
               "decode-sized matmuls (<= 4 rows) as a weight-streaming GEMV; larger ones stay on cuBLAS",
               default_modes=("inference",)),
-    LayerType("GatedMLP", _is_gated_mlp, {"cudaformers:fused_mlp_decode": _fused_mlp_decode},
-              "decode-sized gated MLPs (<= 4 rows): act(gate) * up fused into the down-projection GEMV",
-              default_modes=("inference",), has_backward=False),
+    LayerType("GatedMLP", _is_gated_mlp,
+              {"cudaformers:fused_mlp_decode": _fused_mlp_decode, "cudaformers:gated_mlp_recompute": _gated_mlp_recompute},
+              "inference: decode-sized gated MLPs (<= 4 rows) with act(gate) * up fused into the down-projection "
+              "GEMV; training: act(gate) * up recomputed in the backward instead of saved",
+              forward_only=("cudaformers:fused_mlp_decode",),
+              mode_defaults={"inference": "cudaformers:fused_mlp_decode", "training": "cudaformers:gated_mlp_recompute"}),
     LayerType("ForCausalLMLoss", lambda m: hasattr(m, "fused_loss") and hasattr(m, "lm_head"),
               {"cudaformers:fused_linear_cross_entropy": None},
               "lm_head + cross-entropy without the full logits", default_modes=("training",)),
