@@ -31,12 +31,13 @@ for part in "${parts[@]}"; do
     generate-ours) run generate-ours 150 python3 bench/generate.py --skip-hf --workloads W1,W3 \
                      --variants triton+kernels --check-eager --json "$OUT/results.jsonl" ;;
     decode-profile-32) run decode-profile-32 60 python3 bench/profile_decode.py --attn triton --kernels --batch 32 ;;
-    quant) run quant 170 python3 bench/quant.py --shapes qwen3-0.6b,qwen3-8b --json "$OUT/results.jsonl" ;;
+    quant) run quant 160 python3 bench/quant.py --shapes qwen3-0.6b,qwen3-8b --json "$OUT/results.jsonl" ;;
     w2w3) run w2w3 110 python3 bench/generate.py --workloads W2,W3 --variants triton+kernels --hf-cache dynamic \
             --json "$OUT/results.jsonl" ;;
+    train-ours) run train-ours 50 python3 bench/train.py --skip-hf --kernels on --attn sdpa --json "$OUT/results.jsonl" ;;
     train-profile) run train-profile 60 python3 bench/profile_train.py ;;
     serve-online) run serve-online 90 python3 bench/serve_online.py --json "$OUT/results.jsonl" ;;
-    tests-stable) run tests-stable 120 python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 --timeout 100 \
+    tests-stable) run tests-stable 90 python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 --timeout 100 \
                     tests/gpu/test_quant_gpu.py tests/gpu/test_train_gpu.py tests/gpu/test_device_gpu.py \
                     tests/gpu/test_mamba_bwd_gpu.py tests/gpu/test_server_gpu.py tests/gpu/test_core_gpu.py \
                     tests/gpu/test_engine_gpu.py ;;
