@@ -9,22 +9,31 @@ graph-replayed decode step sees them (no Python or launch overhead from the host
   * kv store: index_copy_ x 2 vs the one-launch Triton store;
   * gated MLP down projection: act_and_mul + GEMV vs the GEMV that applies silu(gate) * up as it loads
     its input (gate/up views of the packed gate/up output, I=3072 -> H=1024);
+  * silu(gate) * up on the packed gate/up views at T=32: with the copies to contiguous inputs the
+    kernel used to make vs reading the views through their row stride;
   * paged decode at several contexts and graph capacities (generate() captures with its cache
     capacity, the engine with up to 16k), with the automatic split plan vs a single split.
+A second table: one decoder layer's GEMV + norm chain at T=1 (rms_norm -> qkv GEMV -> o GEMV ->
+rms_norm + residual -> gate/up GEMV -> gated down GEMV) at qwen3-0.6b and qwen3-8b shapes, replayed
+in a CUDA graph with programmatic dependent launch off (CUDAFORMERS_PDL=0) and on: us per layer and
+the weight bandwidth it reaches. Layers cycle through enough distinct weights to keep L2 cold.
+The first table runs with the default (PDL on where the GPU supports it).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from cudaformers.kernels.activation import act_and_mul_forward  # noqa: E402
+from cudaformers.kernels.activation import act_and_mul, act_and_mul_forward  # noqa: E402
 from cudaformers.kernels.gemv import gemv, gemv_act_mul  # noqa: E402
 from cudaformers.kernels.kv_store import store_kv_triton  # noqa: E402
 from cudaformers.kernels.paged_decode import paged_decode, split_plan  # noqa: E402
+from cudaformers.kernels.pdl import pdl_enabled  # noqa: E402
 from cudaformers.kernels.qk_norm_rope import qk_norm_rope_forward  # noqa: E402
 from cudaformers.kernels.rms_norm import rms_norm  # noqa: E402
 from cudaformers.kernels.rotary import apply_rotary  # noqa: E402
@@ -34,8 +43,8 @@ HIDDEN, INTERMEDIATE = 1024, 3072
 REPS = 100
 
 
-def graph_us(fn) -> float:
-    """Microseconds per call of ``fn``, replayed from a CUDA graph of REPS calls."""
+def graph_us(fn, reps: int = REPS) -> float:
+    """Microseconds per call of ``fn``, replayed from a CUDA graph of ``reps`` calls."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -44,7 +53,7 @@ def graph_us(fn) -> float:
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(REPS):
+        for _ in range(reps):
             fn()
     graph.replay()
     torch.cuda.synchronize()
@@ -55,7 +64,7 @@ def graph_us(fn) -> float:
         graph.replay()
         end.record()
         torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) * 1000 / REPS)
+        best = min(best, start.elapsed_time(end) * 1000 / reps)
     return best
 
 
@@ -110,6 +119,58 @@ def act_down_rows(t: int):
     return [(f"silu*up + down proj, T={t}", "act + gemv", graph_us(old), "fused gemv", graph_us(new))]
 
 
+def act_mul_rows(t: int):
+    gate, up = torch.randn(t, 2 * INTERMEDIATE, device=DEV, dtype=DTYPE).split(INTERMEDIATE, dim=-1)
+
+    def old():
+        act_and_mul(gate.contiguous(), up.contiguous(), "silu")
+
+    def new():
+        act_and_mul(gate, up, "silu")
+
+    return [(f"silu*up on packed views, T={t}", "2 copies + act", graph_us(old), "strided act", graph_us(new))]
+
+
+# name -> (hidden, q heads, kv heads, head dim, intermediate, distinct layers to cycle through)
+LAYER_SHAPES = {"qwen3-0.6b": (1024, 16, 8, 128, 3072, 8), "qwen3-8b": (4096, 32, 8, 128, 12288, 2)}
+LAYER_REPEATS = 4  # passes over the distinct layers per graph
+
+
+def layer_chain_row(name: str):
+    """(name, us per layer PDL off, on, weight GB per layer) for one decoder layer's GEMV + norm chain."""
+    hidden, hq, hkv, d, inter, n_layers = LAYER_SHAPES[name]
+
+    def w(*shape):
+        return torch.randn(*shape, device=DEV, dtype=DTYPE) * shape[-1] ** -0.5
+
+    layers = [dict(n1=torch.ones(hidden, device=DEV, dtype=DTYPE), n2=torch.ones(hidden, device=DEV, dtype=DTYPE),
+                   qkv=w((hq + 2 * hkv) * d, hidden), o=w(hidden, hq * d), gate_up=w(2 * inter, hidden),
+                   down=w(hidden, inter)) for _ in range(n_layers)]
+    weight_bytes = sum(t.numel() * t.element_size() for t in layers[0].values())
+    x = torch.randn(1, hidden, device=DEV, dtype=DTYPE)
+
+    def model():
+        h = x
+        for _ in range(LAYER_REPEATS):
+            for p in layers:
+                qkv = gemv(rms_norm(h, p["n1"], 1e-6), p["qkv"])
+                o = gemv(qkv[:, :hq * d], p["o"])  # attention left out: q stands in for its output
+                normed, h = rms_norm(o, p["n2"], 1e-6, residual=h)
+                gate_up = gemv(normed, p["gate_up"])
+                h = gemv_act_mul(gate_up[:, :inter], gate_up[:, inter:], p["down"])
+
+    times, saved = {}, os.environ.get("CUDAFORMERS_PDL")
+    for pdl in ("0", "1"):
+        os.environ["CUDAFORMERS_PDL"] = pdl  # read at each launch, so at capture
+        assert pdl_enabled(x.device) == (pdl == "1")
+        times[pdl] = graph_us(model, reps=1) / (LAYER_REPEATS * n_layers)
+    if saved is None:
+        del os.environ["CUDAFORMERS_PDL"]
+    else:
+        os.environ["CUDAFORMERS_PDL"] = saved
+    return name, times["0"], times["1"], weight_bytes / 1e9
+
+
 def paged_decode_rows(batch: int):
     rows = []
     for capacity in (512, 16384):
@@ -141,15 +202,27 @@ def main() -> None:
     with torch.inference_mode():
         for t in (1, 32):
             rows += norm_rope_rows(t) + kv_store_rows(t)
-        rows += act_down_rows(1)
+        rows += act_down_rows(1) + act_mul_rows(32)
         for batch in (1, 32):
             rows += paged_decode_rows(batch)
+        hopper = torch.cuda.get_device_capability()[0] >= 9
+        pdl_rows = [layer_chain_row(name) for name in LAYER_SHAPES] if hopper else []
     print(f"\n{torch.cuda.get_device_name()}  (Hq={HQ}, Hkv={HKV}, D={D}, {str(DTYPE)[6:]}; us per launch, graph replay)")
     header = ("op", "baseline", "us", "ours", "us", "speedup")
     table = [header] + [(name, a, f"{ta:.2f}", b, f"{tb:.2f}", f"{ta / tb:.2f}x") for name, a, ta, b, tb in rows]
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
     for r in table:
         print("  ".join(c.ljust(w) if i in (0, 1, 3) else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+    if not pdl_rows:
+        print("\nprogrammatic dependent launch: not available here (needs sm90+), layer chain not timed")
+        return
+    print(f"\none decoder layer's GEMV + norm chain (6 launches), T=1, {str(DTYPE)[6:]}, graph replay:")
+    header = ("shape", "weights MB", "PDL off us", "GB/s", "PDL on us", "GB/s", "speedup")
+    table = [header] + [(name, f"{gb * 1e3:.1f}", f"{off:.2f}", f"{gb / off * 1e6:.0f}", f"{on:.2f}",
+                         f"{gb / on * 1e6:.0f}", f"{off / on:.2f}x") for name, off, on, gb in pdl_rows]
+    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+    for r in table:
+        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
 
 
 if __name__ == "__main__":
