@@ -33,6 +33,7 @@ logger = logging.getLogger("cudaformers")
 ROWS = (5, 64)        # rows (tokens) skinny_applies accepts by default; gemv.py takes 1-4
 _COUNTERS = 4096      # split-K tile counters held per device; a split call uses one per tile
 _MAX_BLOCK_M = 128
+_SMEM_PER_PROGRAM = 100 << 10
 _counters: dict[str, torch.Tensor] = {}
 
 
@@ -158,8 +159,11 @@ def plan(m: int, n: int, k: int, dtype: torch.dtype, sms: int, split_ok: bool = 
            and tiles <= _COUNTERS):
         split *= 2
     per_split = cdiv(steps, split)
-    return SkinnyConfig(block_m, block_n, block_k, per_split * block_k,
-                        num_stages=1 if per_split == 1 else 2 if per_split == 2 else 3)
+    # Pipeline stages (a weight and an x tile each, plus one buffer) within _SMEM_PER_PROGRAM, so
+    # two or three programs share an SM; no deeper than the loop is long.
+    stage_bytes = (block_n + block_m) * block_k * elem
+    stages = max(1, min(4, per_split, _SMEM_PER_PROGRAM // stage_bytes - 1))
+    return SkinnyConfig(block_m, block_n, block_k, per_split * block_k, num_stages=stages)
 
 
 def _tile_counters(device: torch.device) -> torch.Tensor | None:
