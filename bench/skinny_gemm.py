@@ -24,7 +24,8 @@ import torch.nn.functional as F
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from cudaformers.kernels.skinny_gemm import SkinnyConfig, plan, skinny_linear, sm_count  # noqa: E402
+from cudaformers.kernels.skinny_gemm import (  # noqa: E402
+    SkinnyConfig, pipeline_stages, plan, skinny_linear, sm_count)
 
 DTYPE = torch.bfloat16
 REPS = 50
@@ -77,7 +78,7 @@ def sweep_configs(m: int, n: int, k: int) -> list[SkinnyConfig]:
         tiles = -(-n // block_n) * -(-m // block_m)
         if per >= 1 and (splits == 1 or tiles <= 4096):
             out.append(SkinnyConfig(block_m, block_n, block_k, per * block_k,
-                                    num_stages=1 if per == 1 else 2 if per == 2 else 3))
+                                    num_stages=pipeline_stages(block_m, block_n, block_k, DTYPE.itemsize, per)))
     return out
 
 

@@ -35,6 +35,7 @@ _COUNTERS = 4096      # split-K tile counters held per device; a split call uses
 _MAX_BLOCK_M = 128
 _SMEM_PER_PROGRAM = 100 << 10
 _counters: dict[str, torch.Tensor] = {}
+_warned_capture: list[bool] = []  # the capture-without-counters note is logged once per process
 
 
 def interpreting() -> bool:
@@ -159,11 +160,15 @@ def plan(m: int, n: int, k: int, dtype: torch.dtype, sms: int, split_ok: bool = 
            and tiles <= _COUNTERS):
         split *= 2
     per_split = cdiv(steps, split)
-    # Pipeline stages (a weight and an x tile each, plus one buffer) within _SMEM_PER_PROGRAM, so
-    # two or three programs share an SM; no deeper than the loop is long.
+    return SkinnyConfig(block_m, block_n, block_k, per_split * block_k,
+                        num_stages=pipeline_stages(block_m, block_n, block_k, elem, per_split))
+
+
+def pipeline_stages(block_m: int, block_n: int, block_k: int, elem: int, steps: int) -> int:
+    """Software-pipeline depth: stages of a weight and an x tile each (plus one buffer) within
+    _SMEM_PER_PROGRAM, so two or three programs share an SM; no deeper than the loop is long."""
     stage_bytes = (block_n + block_m) * block_k * elem
-    stages = max(1, min(4, per_split, _SMEM_PER_PROGRAM // stage_bytes - 1))
-    return SkinnyConfig(block_m, block_n, block_k, per_split * block_k, num_stages=stages)
+    return max(1, min(4, steps, _SMEM_PER_PROGRAM // stage_bytes - 1))
 
 
 def _tile_counters(device: torch.device) -> torch.Tensor | None:
@@ -226,9 +231,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if k == 0:
         return (y.zero_() if bias is None else y.copy_(bias.expand(m, n))).view(*x.shape[:-1], n)
     counters = _tile_counters(x.device)
-    if counters is None:
-        logger.info("skinny GEMM: first call inside a CUDA graph capture, so this call runs without split-K; "
-                    "run one call before capturing for the faster launch")
+    if counters is None and not _warned_capture:
+        _warned_capture.append(True)
+        logger.info("skinny GEMM: first called inside a CUDA graph capture, so calls captured before one runs "
+                    "outside a capture do without split-K; run one call before capturing for the faster launch")
     cfg = config or plan(m, n, k, x.dtype, sm_count(x.device), split_ok=counters is not None)
     if cfg.block_k <= 0 or cfg.k_split % cfg.block_k:
         raise ValueError(f"{cfg}: k_split must be a positive multiple of block_k")

@@ -116,7 +116,8 @@ def test_graph_capture_and_replay(n, k):
         assert torch.equal(out, want)
 
 
-def test_first_call_inside_a_capture(caplog):
+def test_first_call_inside_a_capture(caplog, monkeypatch):
+    monkeypatch.setattr(sg, "_warned_capture", [])
     x, w, b = _inputs(32, 1024, 2048, torch.bfloat16)
     skinny_linear(x, w, b, config=plan(32, 1024, 2048, x.dtype, sg.sm_count(x.device), split_ok=False))  # compile
     saved = sg._counters.pop(str(x.device), None)
