@@ -41,6 +41,8 @@ for part in "${parts[@]}"; do
                     tests/gpu/test_quant_gpu.py tests/gpu/test_train_gpu.py tests/gpu/test_device_gpu.py \
                     tests/gpu/test_mamba_bwd_gpu.py tests/gpu/test_server_gpu.py tests/gpu/test_core_gpu.py \
                     tests/gpu/test_engine_gpu.py ;;
+    skinny) run skinny 60 python3 bench/skinny_gemm.py ;;
+    skinny-tests) run skinny-tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_skinny_gemm_gpu.py ;;
     *) echo "unknown part $part" ;;
   esac
 done
