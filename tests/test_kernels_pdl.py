@@ -167,7 +167,8 @@ def test_pdl_kernel_keeps_the_contract(probe, case):
     for e in events:
         waits += e == "griddepcontrol.wait"
         assert e != "griddepcontrol.launch_dependents" or waits, f"{case}: release before any wait"
-    assert events.count("griddepcontrol.launch_dependents") == waits
+    assert events.count("griddepcontrol.launch_dependents") == waits, \
+        f"{case}: a release was compiled out (dependents would start only when this grid ends): {_summary(events)}"
 
 
 @pytest.mark.parametrize("case", PLAIN)
