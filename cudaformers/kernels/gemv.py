@@ -62,12 +62,14 @@ def _gemv_kernel(x_ptr, u_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_xm, stride_um, 
     # The first weight tile (all of this program's weights when K fits one step) is requested while
     # the previous kernel drains: nothing in the step writes weights. Its input comes after the wait.
     k_ok = cols < K
-    w0 = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+    # Nothing may consume the tile before the wait, or the program would stall on it there instead
+    # of having its input requested by the time the weights arrive.
+    w0 = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
     wait_for_producer(USE_PDL)
     release_dependents(USE_PDL)
     # Elementwise products accumulate in fp32 and are reduced once at the end: no per-step shuffles.
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc += w0 * _input_tile(x_row, u_row, cols, k_ok, ACT)[None, :]
+    acc += w0.to(tl.float32) * _input_tile(x_row, u_row, cols, k_ok, ACT)[None, :]
     for k0 in range(BLOCK_K, K, BLOCK_K):
         k = k0 + cols
         k_ok = k < K
