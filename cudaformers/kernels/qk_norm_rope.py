@@ -37,12 +37,15 @@ def _norm_rope_heads(x_ptr, o_ptr, w_ptr, cos_row, sin_row, stride_t, stride_h, 
     rotated = cols < rot
     partner = tl.where(first, cols + half, tl.where(rotated, cols - half, cols))
     sign = tl.where(first, -1.0, 1.0)
-    if HAS_NORM:  # weights: loaded while the previous kernel drains
-        w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-        w_partner = tl.load(w_ptr + partner, mask=col_ok, other=0.0).to(tl.float32)
+    if HAS_NORM:  # weights: requested while the previous kernel drains, used after the wait
+        w = tl.load(w_ptr + cols, mask=col_ok, other=0.0)
+        w_partner = tl.load(w_ptr + partner, mask=col_ok, other=0.0)
     # cos/sin are computed from the step's positions, q/k by the projection: both after the wait.
     wait_for_producer(USE_PDL)
     release_dependents(USE_PDL)
+    if HAS_NORM:
+        w = w.to(tl.float32)
+        w_partner = w_partner.to(tl.float32)
     c = tl.load(cos_row + cols, mask=rotated, other=1.0).to(tl.float32)
     s = sign * tl.load(sin_row + cols, mask=rotated, other=0.0).to(tl.float32)
     for h0 in range(0, n_heads, BLOCK_H):

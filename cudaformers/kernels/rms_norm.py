@@ -28,9 +28,11 @@ def _rms_norm_fwd(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, rstd_ptr, n_rows, n_cols, e
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # a weight: safe before the wait
+    # The weight is requested before the wait (nothing in a step writes it), used only after it.
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     wait_for_producer(USE_PDL)
     release_dependents(USE_PDL)
+    w = w.to(tl.float32)
     for i in range(rows_per_program):
         row = pid * rows_per_program + i
         if row < n_rows:
