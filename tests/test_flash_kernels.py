@@ -15,7 +15,6 @@ import pytest  # noqa: E402
 
 from cudaformers.kernels.flash_attention import attention_reference, flash_attn_varlen  # noqa: E402
 from cudaformers.kernels.flash_attention_fwd import attention_fwd, lse_natural  # noqa: E402
-from cudaformers.kernels.paged_decode import paged_decode, paged_decode_reference, split_plan  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -140,31 +139,6 @@ def test_paged_prefill_matches_reference(dtype, page, window):
     _close(out, ref32, ref, dtype, "paged prefill")
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("splits", [None, 1, 3])
-@pytest.mark.parametrize("hq,hkv,d,page,window", [(8, 2, 32, 4, None), (4, 4, 16, 16, 10), (6, 1, 24, 5, None)])
-def test_paged_decode_matches_reference(dtype, splits, hq, hkv, d, page, window):
-    k_lens = [1, 45, 23, 64]
-    k_cache, v_cache, table = _paged(k_lens, hkv, d, dtype, page, seed=6)
-    q = torch.randn(len(k_lens), hq, d, generator=torch.Generator().manual_seed(7)).to(dtype)
-    seqlens = torch.tensor(k_lens, dtype=torch.int32)
-    scale = d ** -0.5
-    # max_seqlen_k larger than any sequence, as during CUDA-graph capture: extra splits stay empty.
-    out = paged_decode(q, k_cache, v_cache, seqlens, table, max(k_lens) + 20, scale, window, num_splits=splits)
-    ref32 = paged_decode_reference(q, k_cache, v_cache, seqlens, table, scale, window, upcast=True)
-    ref = paged_decode_reference(q, k_cache, v_cache, seqlens, table, scale, window)
-    assert out.dtype == dtype
-    _close(out, ref32, ref, dtype, "paged decode")
-
-
-def test_split_plan_covers_the_context():
-    dev = torch.device("cpu")
-    for seqs, heads, max_k in [(1, 8, 32768), (32, 8, 1024), (3, 2, 1), (1, 1, 300)]:
-        splits, per_split = split_plan(seqs, heads, max_k, dev, block_n=64)
-        assert splits >= 1 and per_split % 64 == 0
-        assert (splits - 1) * per_split < max_k <= splits * per_split
-
-
 def test_kernels_reject_unsupported_shapes():
     q, k, v = _qkv(4, 4, 2, 2, 320, torch.float32)
     with pytest.raises(ValueError, match="head_dim up to 256"):
@@ -172,17 +146,3 @@ def test_kernels_reject_unsupported_shapes():
     q, k, v = _qkv(4, 4, 3, 2, 16, torch.float32)
     with pytest.raises(ValueError, match="not a multiple"):
         attention_fwd(q, k, v, _cu([4]), _cu([4]), 4, 1.0)
-
-
-def test_paged_decode_never_reads_partials_of_empty_splits(monkeypatch):
-    # A 16k-capacity grid over short contexts leaves most splits without keys; they skip writing their
-    # partial outputs, so the merge must not read them: fresh buffers here are NaN, not zeros.
-    empty = torch.empty
-    monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan")))
-    k_lens = [1, 30, 7]
-    k_cache, v_cache, table = _paged(k_lens, 2, 16, torch.float32, 4, seed=8)
-    q = torch.randn(len(k_lens), 4, 16, generator=torch.Generator().manual_seed(9))
-    seqlens = torch.tensor(k_lens, dtype=torch.int32)
-    out = paged_decode(q, k_cache, v_cache, seqlens, table, 16384, 0.25, num_splits=8)
-    ref = paged_decode_reference(q, k_cache, v_cache, seqlens, table, 0.25, upcast=True)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
