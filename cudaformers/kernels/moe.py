@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from ..layers.moe import moe_experts_reference, route_reference
-from .activation import act_and_mul
+from .activation import act_and_mul_packed
 
 
 # -- routing ----------------------------------------------------------------------------------------
@@ -247,7 +247,7 @@ def moe_experts(hidden, gate_up_proj, down_proj, top_k_index, top_k_weights, act
     token = sched.order // k
     x = hidden[token].contiguous()                               # [T*k, H], grouped by expert
     gate_up = _GroupedLinear.apply(x, gate_up_proj, sched)      # [T*k, 2I]
-    inter = act_and_mul(gate_up[:, : two_i // 2], gate_up[:, two_i // 2:], act)
+    inter = act_and_mul_packed(gate_up, act)                    # [T*k, I]; one packed gradient
     y = _GroupedLinear.apply(inter, down_proj, sched)           # [T*k, H]
     # Back to (token, slot) order, weighted in the weights' dtype, summed per token.
     unsorted = torch.empty_like(y).index_copy(0, sched.order, y).view(t, k, -1)
