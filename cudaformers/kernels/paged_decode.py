@@ -203,20 +203,22 @@ def _sms(device: torch.device) -> int:
 
 def default_tiling(num_seqs: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                    device: torch.device) -> DecodeTiling:
-    """16 KB of K per tile (64 keys at head_dim 128), three tiles of K and V in flight per program.
+    """16 KB of K per tile (64 keys at head_dim 128 in 2-byte dtypes), three tiles of K and V in flight.
 
-    The first tiles of a program are requested together, so one program covers up to three tiles
-    in about one memory latency. Splitting a context costs a merge (the partials' stores, a counter
-    round trip, their reads: about three dependent memory accesses), so a context stays in one
-    program up to eight tiles (512 keys at head_dim 128). Once one program per (sequence, kv head)
-    already gives every SM work the GPU is busy anyway: splitting then only balances long contexts
-    (measured: 2 splits beat 1 by 11% at B=32 x 8k keys).
+    A program's first tiles are requested together, so it covers up to three tiles in about one
+    memory latency. Splitting a context costs a merge (the partials' stores, a counter round trip,
+    their reads: about three dependent memory accesses), so a context stays in one program up to
+    eight tiles (512 keys at head_dim 128). Once one program per (sequence, kv head) already gives
+    every SM work, the GPU is busy anyway: splitting then only balances long contexts (measured:
+    2 splits beat 1 by 11% at B=32 x 8k keys).
     """
     if interpreting():  # small tiles keep the CPU tests quick and still cover every path
         return DecodeTiling(block_n=16, num_warps=4, num_stages=1, split_above=32, split_tiles=1)
-    block_n = 8192 // block_d(head_dim)
-    # Three K/V buffers (~100 KB of shared memory: two programs per SM); fp32 tiles are twice the size.
-    stages = 4 if dtype.itemsize <= 2 else 2
+    bd = block_d(head_dim)
+    if dtype.itemsize <= 2:  # three K/V buffers: ~100 KB of shared memory, two programs per SM
+        block_n, stages = 8192 // bd, 4
+    else:  # fp32 (exactness tests, mostly): the tiles that compile without register spills
+        block_n, stages = (64, 2) if bd <= 128 else (16, 4)
     busy = num_seqs * num_kv_heads >= _sms(device)
     return DecodeTiling(block_n=block_n, num_warps=4, num_stages=stages,
                         split_above=2048 if busy else 8 * block_n, split_tiles=max(1, stages - 1))

@@ -94,6 +94,80 @@ def test_paged_decode_full_size(page, window, dtype):
     _check(out, ref32, ref, "decode")
 
 
+def _decode_case(k_lens, hq, hkv, d, dtype, page, capacity, seed=0):
+    """A cache with ``k_lens`` keys per sequence in a ``capacity``-wide table (as during graph capture)."""
+    k_cache, v_cache, table = _paged_cache(k_lens, hkv, d, dtype, page, seed)
+    width = -(-capacity // page)
+    wide = torch.full((len(k_lens), width), int(table[0, 0]), dtype=torch.int32, device=CUDA)
+    wide[:, :table.shape[1]] = table
+    q = _rand(len(k_lens), hq, d, dtype=dtype, seed=seed + 2)
+    return q, k_cache, v_cache, torch.tensor(k_lens, dtype=torch.int32, device=CUDA), wide
+
+
+# Batch 1 and 32 at short and long contexts in a 16k-capacity grid: one program per sequence at
+# short contexts, splits merged in the same launch at long ones (and both in one batch).
+DECODE_MIXES = {"b1-130": [130], "b1-1000": [1000], "b1-8192": [8192], "b32-131": [131] * 32,
+                "b32-mixed": [1, 17, 130, 260, 1000, 1024, 4097, 8192] * 4, "b32-8192": [8192] * 32}
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+@pytest.mark.parametrize("page", [16, 256])
+@pytest.mark.parametrize("mix", list(DECODE_MIXES))
+def test_paged_decode_short_and_long_contexts(mix, page, dtype):
+    k_lens = DECODE_MIXES[mix]
+    q, k_cache, v_cache, lens, table = _decode_case(k_lens, 16, 8, 128, dtype, page, 16384)
+    out = paged_decode(q, k_cache, v_cache, lens, table, 16384, 128 ** -0.5)
+    ref32 = paged_decode_reference(q, k_cache, v_cache, lens, table, 128 ** -0.5, upcast=True)
+    ref = paged_decode_reference(q, k_cache, v_cache, lens, table, 128 ** -0.5)
+    _check(out, ref32, ref, f"decode {mix}")
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(8, 8, 64), (16, 2, 256), (32, 4, 128), (6, 3, 96)])
+@pytest.mark.parametrize("window", [None, 300])
+def test_paged_decode_groups_head_dims_windows(hq, hkv, d, window):
+    k_lens = [1, 17, 130, 1000, 3000, 299]
+    q, k_cache, v_cache, lens, table = _decode_case(k_lens, hq, hkv, d, torch.bfloat16, 16, 4096, seed=5)
+    out = paged_decode(q, k_cache, v_cache, lens, table, 4096, d ** -0.5, window)
+    ref32 = paged_decode_reference(q, k_cache, v_cache, lens, table, d ** -0.5, window, upcast=True)
+    ref = paged_decode_reference(q, k_cache, v_cache, lens, table, d ** -0.5, window)
+    _check(out, ref32, ref, "decode")
+
+
+def test_paged_decode_fp32_is_exact_fp32():
+    q, k_cache, v_cache, lens, table = _decode_case([130, 5000, 1], 16, 8, 128, torch.float32, 16, 8192)
+    out = paged_decode(q, k_cache, v_cache, lens, table, 8192, 128 ** -0.5)
+    ref = paged_decode_reference(q, k_cache, v_cache, lens, table, 128 ** -0.5, upcast=True)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("pdl", ["0", "1"])
+def test_paged_decode_merge_is_race_free_in_a_graph(pdl, monkeypatch):
+    """The last split to arrive merges: replayed many times, with lengths that switch between one
+    program and many splits between replays, every output is bitwise the eager one."""
+    monkeypatch.setenv("CUDAFORMERS_PDL", pdl)
+    capacity, reps = 16384, 50
+    mixes = [[8192] * 2 + [130] * 30, [131] * 32, [1000, 1, 16384, 2047] * 8]
+    q, k_cache, v_cache, lens, table = _decode_case([capacity] * 32, 16, 8, 128, torch.bfloat16, 16, capacity)
+    lens_buf = lens.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        paged_decode(q, k_cache, v_cache, lens_buf, table, capacity, 128 ** -0.5)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [paged_decode(q, k_cache, v_cache, lens_buf, table, capacity, 128 ** -0.5) for _ in range(reps)]
+    for k_lens in mixes * 2:
+        lens_buf.copy_(torch.tensor(k_lens, dtype=torch.int32))
+        expect = paged_decode(q, k_cache, v_cache, lens_buf, table, capacity, 128 ** -0.5)
+        graph.replay()
+        for i, out in enumerate(outs):
+            assert torch.equal(out, expect), f"replayed call {i} differs from eager for lengths {k_lens[:4]}..."
+        ref32 = paged_decode_reference(q, k_cache, v_cache, lens_buf, table, 128 ** -0.5, upcast=True)
+        ref = paged_decode_reference(q, k_cache, v_cache, lens_buf, table, 128 ** -0.5)
+        _check(expect, ref32, ref, "decode")
+
+
 @pytest.mark.parametrize("dtype", LOW, ids=str)
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_paged_prefill_full_size(d, dtype):
