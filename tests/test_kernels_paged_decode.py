@@ -15,7 +15,8 @@ if not torch.cuda.is_available():  # interpret the kernels on CPU; set before tr
 import pytest  # noqa: E402
 
 from cudaformers.kernels import paged_decode as pd  # noqa: E402
-from cudaformers.kernels.paged_decode import DecodeTiling, paged_decode, paged_decode_reference, split_plan  # noqa: E402
+from cudaformers.kernels.paged_decode import (  # noqa: E402
+    DecodeTiling, paged_decode, paged_decode_reference, split_plan)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")

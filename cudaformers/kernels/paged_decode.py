@@ -4,16 +4,19 @@ Grid ``(sequence, kv head, split)``: each program reads one slice of its sequenc
 block table once and serves every query head of its GQA group with it (decode is bound by reading
 the cache, so each key byte is read once per step).
 
-The grid's split count is fixed at launch (CUDA graphs replay it for every context up to the
-capacity), but how many splits a sequence *uses* is decided on the device from its length: at least
-``min_split_keys`` keys per split. A short context therefore runs in one program that writes the
-final output itself, whatever the grid; a long one is spread over every split. Splits past a
-sequence's count exit at once.
+Decode latency at short contexts is a chain of dependent memory accesses (length -> block table ->
+keys -> output), so the kernel keeps that chain short: split 0 requests its first block-table
+entries together with the length, each program keeps three tiles of K and V in flight, and a short
+context runs in a single program that writes the final output itself.
 
-Several used splits merge inside the same launch: each writes its normalised partial output and
-logsumexp, then bumps an arrival counter for its (sequence, kv head); the last to arrive merges the
-partials and resets the counter to zero. No second kernel, no extra launch latency. The counters
-are one small zeroed int32 buffer per (device, stream), kept for the life of the process.
+The grid's split count is fixed at launch (CUDA graphs replay it for every context up to the
+capacity); how many splits a sequence *uses* is decided on the device from its length
+(``DecodeTiling.split_above``), and splits past that count exit at once. Used splits merge inside
+the same launch: each writes its normalised partial output and logsumexp, then counts its arrival
+for its (sequence, kv head); the last to arrive merges the partials and resets the counter to zero.
+No second kernel. The counters are a small zeroed int32 buffer per (device, stream), kept for the
+life of the process (a graph captured on a stream keeps using that stream's buffer, so two graphs
+captured on one stream must not be replayed concurrently).
 
 CUDA-graph capturable: the grid depends only on tensor shapes and the Python int ``max_seqlen_k``
 (the cache capacity during capture), and nothing is read back to the host.
@@ -158,8 +161,8 @@ def _paged_decode_kernel(
         o_ptrs = O + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
     else:
-        p_ptrs = O_PART + seq.to(tl.int64) * stride_pb + heads[:, None] * stride_ph + split * stride_ps + offs_d[None, :]
-        tl.store(p_ptrs, out, mask=g_mask[:, None] & d_mask[None, :])
+        p_ptrs = O_PART + seq.to(tl.int64) * stride_pb + split * stride_ps + heads[:, None] * stride_ph
+        tl.store(p_ptrs + offs_d[None, :], out, mask=g_mask[:, None] & d_mask[None, :])
         lse = m_i + tl.log2(l_i)
         tl.store(LSE + seq.to(tl.int64) * stride_lb + heads * stride_lh + split, lse, mask=g_mask)
         # All of this program's stores happen before its arrival is counted (barrier, then a release
@@ -201,6 +204,7 @@ def _sms(device: torch.device) -> int:
     return 4 if interpreting() or device.type != "cuda" else _sm_count(device.index or 0)
 
 
+@functools.lru_cache(maxsize=None)
 def default_tiling(num_seqs: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                    device: torch.device) -> DecodeTiling:
     """16 KB of K per tile (64 keys at head_dim 128 in 2-byte dtypes), three tiles of K and V in flight.
@@ -220,8 +224,11 @@ def default_tiling(num_seqs: int, num_kv_heads: int, head_dim: int, dtype: torch
     else:  # fp32 (exactness tests, mostly): the tiles that compile without register spills
         block_n, stages = (64, 2) if bd <= 128 else (16, 4)
     busy = num_seqs * num_kv_heads >= _sms(device)
-    return DecodeTiling(block_n=block_n, num_warps=4, num_stages=stages,
-                        split_above=2048 if busy else 8 * block_n, split_tiles=max(1, stages - 1))
+    tiling = DecodeTiling(block_n=block_n, num_warps=4, num_stages=stages,
+                          split_above=2048 if busy else 8 * block_n, split_tiles=max(1, stages - 1))
+    logger.debug("paged decode: %s for %d sequences x %d kv heads, head_dim %d, %s", tiling, num_seqs,
+                 num_kv_heads, head_dim, dtype)
+    return tiling
 
 
 def split_plan(num_seqs: int, num_kv_heads: int, max_seqlen_k: int, device: torch.device,
@@ -285,7 +292,7 @@ def paged_decode(q, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k: int,
     if num_splits is None:
         splits, _ = split_plan(num_seqs, num_kv_heads, max_seqlen_k, q.device, tiling.block_n)
     else:
-        splits, _ = _even_splits(min(num_splits, MAX_SPLITS), max_seqlen_k, tiling.block_n)
+        splits, _ = _even_splits(min(max(num_splits, 1), MAX_SPLITS), max_seqlen_k, tiling.block_n)
     groups = num_heads // num_kv_heads
     bd = block_d(head_dim)
     block_gm = max(2, triton.next_power_of_2(groups))
@@ -294,19 +301,19 @@ def paged_decode(q, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k: int,
         part = torch.empty(num_seqs, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
         lse = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=q.device)
         arrived = _arrival_counters(q.device, num_seqs * num_kv_heads)
+        split_strides = (part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1))
     else:  # never touched: the only split writes the output
-        part, lse, arrived = out, out, seqlens_k
+        part, lse, arrived, split_strides = out, out, seqlens_k, (0,) * 5
     pdl = pdl_enabled(q.device)
     _paged_decode_kernel[(num_seqs, num_kv_heads, splits)](
-        q, k, v, out, part, lse, arrived, seqlens_k, block_table, block_table.shape[1] * page_size, scale * LOG2E,
-        window or 0, tiling.split_above,
+        q, k, v, out, part, lse, arrived, seqlens_k, block_table, block_table.shape[1] * page_size,
+        scale * LOG2E, window or 0, tiling.split_above,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), block_table.stride(0),
-        out.stride(0), out.stride(1),
-        part.stride(0) if splits > 1 else 0, part.stride(1) if splits > 1 else 0,
-        part.stride(2) if splits > 1 else 0, lse.stride(0) if splits > 1 else 0, lse.stride(1) if splits > 1 else 0,
+        out.stride(0), out.stride(1), *split_strides,
         HEAD_DIM=head_dim, BLOCK_D=bd, GROUPS=groups, BLOCK_G=max(16, triton.next_power_of_2(groups)),
         BLOCK_GM=block_gm, BLOCK_N=tiling.block_n, PAGE_SIZE=page_size, HAS_WINDOW=bool(window),
-        MAY_SPLIT=splits > 1, SPLIT_TILES=tiling.split_tiles, BLOCK_S=block_s, CHUNK_S=max(1, min(block_s, _MERGE_ELEMENTS // (block_gm * bd))),
+        MAY_SPLIT=splits > 1, SPLIT_TILES=tiling.split_tiles, BLOCK_S=block_s,
+        CHUNK_S=max(1, min(block_s, _MERGE_ELEMENTS // (block_gm * bd))),
         PREC=_dot_precision(q.dtype), UPCAST=_UPCAST_DOT, USE_PDL=pdl,
         num_warps=tiling.num_warps, num_stages=tiling.num_stages, launch_pdl=pdl)
     return out
