@@ -14,9 +14,8 @@ capacity); how many splits a sequence *uses* is decided on the device from its l
 (``DecodeTiling.split_above``), and splits past that count exit at once. Used splits merge inside
 the same launch: each writes its normalised partial output and logsumexp, then counts its arrival
 for its (sequence, kv head); the last to arrive merges the partials and resets the counter to zero.
-No second kernel. The counters are a small zeroed int32 buffer per (device, stream), kept for the
-life of the process (a graph captured on a stream keeps using that stream's buffer, so two graphs
-captured on one stream must not be replayed concurrently).
+No second kernel. The counters are one small zeroed int32 buffer per device, kept for the life of
+the process, so split launches on one device must not run concurrently on two streams.
 
 CUDA-graph capturable: the grid depends only on tensor shapes and the Python int ``max_seqlen_k``
 (the cache capacity during capture), and nothing is read back to the host.
@@ -247,23 +246,27 @@ def _even_splits(splits: int, max_seqlen_k: int, block_n: int) -> tuple[int, int
     return triton.cdiv(max(max_seqlen_k, 1), per_split), per_split
 
 
-_ARRIVED: dict[tuple[torch.device, int], torch.Tensor] = {}
+_COUNTERS = 16384  # arrival counters per device: one per (sequence, kv head) of a launch
+_ARRIVED: dict[torch.device, torch.Tensor] = {}
 _RETIRED: list[torch.Tensor] = []  # outgrown counters that captured graphs may still point at: never freed
+_warned_capture: list[bool] = []
 
 
-def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 counters, at least ``n``, that every launch leaves zeroed again.
-
-    One buffer per stream: launches on one stream run one after another, so they can share it.
-    """
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device, stream)
-    buf = _ARRIVED.get(key)
+def _arrival_counters(device: torch.device, n: int) -> torch.Tensor | None:
+    """The device's arrival counters (all zero between launches), or None inside a CUDA-graph
+    capture that would have to create or grow them: a buffer made there is not zeroed until the
+    graph first runs. Split launches on one device share them, so they must not run concurrently
+    on two streams."""
+    buf = _ARRIVED.get(device)
     if buf is None or buf.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
         if buf is not None:
             _RETIRED.append(buf)
-        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-        _ARRIVED[key] = buf
+        buf = torch.zeros(max(n, _COUNTERS), dtype=torch.int32, device=device)
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()  # zeroed before any stream uses them
+        _ARRIVED[device] = buf
     return buf
 
 
@@ -293,6 +296,14 @@ def paged_decode(q, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k: int,
         splits, _ = split_plan(num_seqs, num_kv_heads, max_seqlen_k, q.device, tiling.block_n)
     else:
         splits, _ = _even_splits(min(max(num_splits, 1), MAX_SPLITS), max_seqlen_k, tiling.block_n)
+    arrived = _arrival_counters(q.device, num_seqs * num_kv_heads) if splits > 1 else None
+    if splits > 1 and arrived is None:
+        if not _warned_capture:
+            _warned_capture.append(True)
+            logger.warning("paged decode: a CUDA graph captured before any eager call has no split counters, so "
+                           "each sequence runs in one program in it (slower at long contexts); run one decode "
+                           "step before capturing")
+        splits = 1
     groups = num_heads // num_kv_heads
     bd = block_d(head_dim)
     block_gm = max(2, triton.next_power_of_2(groups))
@@ -300,7 +311,6 @@ def paged_decode(q, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k: int,
     if splits > 1:
         part = torch.empty(num_seqs, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
         lse = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=q.device)
-        arrived = _arrival_counters(q.device, num_seqs * num_kv_heads)
         split_strides = (part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1))
     else:  # never touched: the only split writes the output
         part, lse, arrived, split_strides = out, out, seqlens_k, (0,) * 5

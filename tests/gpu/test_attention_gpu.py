@@ -168,6 +168,29 @@ def test_paged_decode_merge_is_race_free_in_a_graph(pdl, monkeypatch):
         _check(expect, ref32, ref, "decode")
 
 
+def test_paged_decode_captured_before_any_split_call(monkeypatch, caplog):
+    """A capture cannot create the split counters (they would not be zeroed until the graph runs):
+    it runs each sequence in one program instead, says so, and is still right."""
+    from cudaformers.kernels import paged_decode as pd
+
+    monkeypatch.setattr(pd, "_ARRIVED", {})
+    monkeypatch.setattr(pd, "_warned_capture", [])
+    q, k_cache, v_cache, lens, table = _decode_case([8192, 130], 16, 8, 128, torch.bfloat16, 16, 16384)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compiles the one-program kernel; makes no counters
+        paged_decode(q, k_cache, v_cache, lens, table, 16384, 128 ** -0.5, num_splits=1)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with caplog.at_level("WARNING", logger="cudaformers"), torch.cuda.graph(graph):
+        out = paged_decode(q, k_cache, v_cache, lens, table, 16384, 128 ** -0.5)
+    assert "run one decode step before capturing" in caplog.text
+    graph.replay()
+    ref32 = paged_decode_reference(q, k_cache, v_cache, lens, table, 128 ** -0.5, upcast=True)
+    ref = paged_decode_reference(q, k_cache, v_cache, lens, table, 128 ** -0.5)
+    _check(out, ref32, ref, "decode")
+
+
 @pytest.mark.parametrize("dtype", LOW, ids=str)
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_paged_prefill_full_size(d, dtype):
