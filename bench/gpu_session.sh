@@ -43,6 +43,7 @@ for part in "${parts[@]}"; do
                     tests/gpu/test_engine_gpu.py ;;
     skinny) run skinny 60 python3 bench/skinny_gemm.py ;;
     skinny-tests) run skinny-tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_skinny_gemm_gpu.py ;;
+    paged-decode) run paged-decode 60 python3 bench/paged_decode.py --sweep ;;
     *) echo "unknown part $part" ;;
   esac
 done
