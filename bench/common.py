@@ -87,6 +87,35 @@ def matmul_tflops(n: int = 8192) -> float:
     return 2 * n ** 3 / (start.elapsed_time(end) / 1000 / 10) / 1e12
 
 
+def graph_us(calls, reps: int = 50, replays: int = 5) -> float:
+    """Microseconds per call, replayed from one CUDA graph of ``reps`` calls: ``calls`` is one
+    callable or a list cycled through (e.g. over weight copies that together overflow L2, so every
+    call reads HBM). Warm-up (and Triton's compiles) runs outside the capture; best of ``replays``."""
+    calls = calls if isinstance(calls, (list, tuple)) else [calls]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in calls[:3]:
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(reps):
+            calls[i % len(calls)]()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) * 1000 / reps)
+    del graph
+    return best
+
+
 def random_checkpoint(shape: str, folder: Path | None = None) -> Path:
     """Seeded random bf16 weights in the shape of a real model, saved by transformers."""
     import transformers

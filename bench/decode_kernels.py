@@ -29,6 +29,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import graph_us  # noqa: E402
 from cudaformers.kernels.activation import act_and_mul, act_and_mul_forward  # noqa: E402
 from cudaformers.kernels.gemv import gemv, gemv_act_mul  # noqa: E402
 from cudaformers.kernels.kv_store import store_kv_triton  # noqa: E402
@@ -40,32 +42,6 @@ from cudaformers.kernels.rotary import apply_rotary  # noqa: E402
 
 HQ, HKV, D, PAGE, DTYPE, DEV = 16, 8, 128, 16, torch.bfloat16, "cuda"
 HIDDEN, INTERMEDIATE = 1024, 3072
-REPS = 100
-
-
-def graph_us(fn, reps: int = REPS) -> float:
-    """Microseconds per call of ``fn``, replayed from a CUDA graph of ``reps`` calls."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):  # compile and warm up outside the capture
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(5):
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) * 1000 / reps)
-    return best
 
 
 def norm_rope_rows(t: int):

@@ -30,6 +30,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import graph_us  # noqa: E402
 import cudaformers.kernels  # noqa: E402,F401  (the baseline's relative imports resolve against it)
 from cudaformers.kernels.paged_decode import DecodeTiling, default_tiling, paged_decode  # noqa: E402
 
@@ -70,32 +72,6 @@ def make_case(batch: int, context: int, page: int, copies: int, gen: torch.Gener
     return q, k_cache, v_cache, lens, tables
 
 
-def graph_us(calls, reps: int) -> float:
-    """µs per call of ``calls`` (cycled), replayed from one CUDA graph of ``reps`` calls."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in calls[:2]:  # compile and warm up outside the capture
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(reps):
-            calls[i % len(calls)]()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(10):
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) * 1000 / reps)
-    del graph
-    return best
-
-
 def with_pdl(enabled: bool, fn):
     def call():
         os.environ["CUDAFORMERS_PDL"] = "1" if enabled else "0"  # read at each launch
@@ -124,9 +100,9 @@ def run_case(before, batch: int, context: int, page: int, copies: int, reps: int
         return calls(lambda t: paged_decode(q, k_cache, v_cache, lens, t, CAPACITY, scale), use_pdl)
 
     diff = (old[0]().float() - new(False)[0]().float()).abs().max().item()
-    t_old = graph_us(old, reps)
-    t_new = graph_us(new(False), reps)
-    t_pdl = graph_us(new(True), reps) if pdl else float("nan")
+    t_old = graph_us(old, reps, replays=10)
+    t_new = graph_us(new(False), reps, replays=10)
+    t_pdl = graph_us(new(True), reps, replays=10) if pdl else float("nan")
     best = min(t_new, t_pdl) if pdl else t_new
     nbytes = kv_bytes(batch, context)
     name = f"B={batch} keys={context} page={page}"

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import copy_bandwidth, emit, environment, random_checkpoint, timed  # noqa: E402
+from common import copy_bandwidth, emit, environment, graph_us, random_checkpoint, timed  # noqa: E402
 
 PROMPT, NEW = 128, 256
 GIB = 1 << 30
@@ -43,29 +43,6 @@ def _free():
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-
-
-def graph_time(fn, reps: int = 50) -> float:
-    """Seconds per call, from one CUDA graph holding ``reps`` calls."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1000 / (5 * reps)
 
 
 def bench_kernels(methods, bw, env, json_path) -> list[dict]:
@@ -89,7 +66,7 @@ def bench_kernels(methods, bw, env, json_path) -> list[dict]:
                         holder[0].weight.data.copy_(linear.weight)
                         layer = quantize(holder, method_config(method))[0]
                     with torch.no_grad():
-                        seconds = graph_time(lambda: layer(x))
+                        seconds = graph_us(lambda: layer(x)) / 1e6
                         err = ((layer(x).float() - linear(x).float()).norm() / linear(x).float().norm()).item()
                     nbytes = sum(p.numel() * p.element_size() for p in layer.parameters())
                     base = seconds if method == "bf16" else base

@@ -24,6 +24,8 @@ import torch.nn.functional as F
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import graph_us  # noqa: E402
 from cudaformers.kernels.skinny_gemm import (  # noqa: E402
     SkinnyConfig, pipeline_stages, plan, skinny_linear, sm_count)
 
@@ -35,32 +37,6 @@ SHAPES = [  # model, projection, N, K
     ("0.6b", "lm_head", 151936, 1024),  # once per step, not per layer: left out of the layer sums
 ]
 LAYER = ("qkv", "o", "gate_up", "down")
-
-
-def graph_us(calls) -> float:
-    """Microseconds per call: REPS calls (cycling through ``calls``) captured into one graph, best of 5 replays."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in calls:  # compile and warm up outside the capture
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(REPS):
-            calls[i % len(calls)]()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(5):
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) * 1000 / REPS)
-    del graph
-    return best
 
 
 def weight_copies(n: int, k: int) -> list[torch.Tensor]:
