@@ -44,13 +44,13 @@ for part in "${parts[@]}"; do
     skinny) run skinny 60 python3 bench/skinny_gemm.py ;;
     skinny-tests) run skinny-tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_skinny_gemm_gpu.py ;;
     paged-decode) run paged-decode 60 python3 bench/paged_decode.py --sweep ;;
-    new-kernel-tests) run new-kernel-tests 100 python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 --timeout 90 \
+    new-kernel-tests) run new-kernel-tests 80 python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 --timeout 90 \
                         tests/gpu/test_pdl_gpu.py tests/gpu/test_skinny_gemm_gpu.py tests/gpu/test_attention_gpu.py \
                         tests/gpu/test_core_gpu.py tests/gpu/test_engine_gpu.py -k "not test_forward_full_size \
                         and not test_backward_full_size and not test_backends_match and not test_paged_prefill" ;;
-    w2) run w2 100 python3 bench/generate.py --workloads W2 --variants triton+kernels --hf-cache dynamic \
+    w2) run w2 70 python3 bench/generate.py --workloads W2 --variants triton+kernels --hf-cache dynamic \
           --json "$OUT/results.jsonl" ;;
-    quant-8b) run quant-8b 110 python3 bench/quant.py --parts decode,qlora --shapes qwen3-8b \
+    quant-8b) run quant-8b 100 python3 bench/quant.py --parts decode,qlora --shapes qwen3-8b \
                 --methods bf16,int8,int4,nf4 --json "$OUT/results.jsonl" ;;
     *) echo "unknown part $part" ;;
   esac
