@@ -57,3 +57,10 @@ def test_plan_command(capsys):
     assert main(["plan", str(tiny.checkpoint("qwen3")), "--task", "infer", "--batch", "4096", "--seq", "65536",
                  "--gpu-mem", "1"]) == 1
     assert "does NOT fit" in capsys.readouterr().out
+
+
+def test_recomputed_mlp_saves_one_intermediate_activation_per_layer():
+    kept = plan(QWEN3_06B, batch=8, seq=2048, recompute_mlp=False).get("activations")
+    recomputed = plan(QWEN3_06B, batch=8, seq=2048).get("activations")  # follows fused_loss (use_kernels)
+    assert kept - recomputed == 8 * 2048 * 28 * 3072 * 2
+    assert plan(QWEN3_06B, batch=8, seq=2048, fused_loss=False).get("activations") == kept

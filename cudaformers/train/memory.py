@@ -97,20 +97,24 @@ class MemoryPlan:
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
 
 
-def activation_bytes_per_token_layer(s: Shapes, dtype_bytes: int) -> float:
-    """What one decoder layer keeps for backward, per token (varlen flash attention, no scores)."""
+def activation_bytes_per_token_layer(s: Shapes, dtype_bytes: int, recompute_mlp: bool = False) -> float:
+    """What one decoder layer keeps for backward, per token (varlen flash attention, no scores).
+    ``recompute_mlp``: the dense gated MLP rebuilds act(gate) * up in the backward (use_kernels)."""
     h, d = s.hidden, s.head_dim
     inter = s.top_k * s.expert_inter if s.experts else s.inter
+    mlp_saved = 2 if (recompute_mlp and not s.experts) else 3
     elems = (4 * h                                # residual in, norm out, residual mid, norm out
              + (s.heads + 2 * s.kv_heads) * d     # q, k, v (after rotary)
              + s.heads * d                        # attention output
-             + 3 * inter)                         # gate, up, act(gate) * up
+             + mlp_saved * inter)                 # gate, up (, act(gate) * up)
     return elems * dtype_bytes + s.heads * 4      # + the softmax log-sum-exp per head, fp32
 
 
 def plan(config, *, task: str = "train", batch: int = 1, seq: int = 2048, gpus: int = 1, dtype: str = "bf16",
          quant: str = "none", lora_rank: int = 0, strategy: str = "fsdp", gradient_checkpointing: bool = False,
-         fused_loss: bool = True, master_fp32: bool = True) -> MemoryPlan:
+         fused_loss: bool = True, master_fp32: bool = True, recompute_mlp: bool | None = None) -> MemoryPlan:
+    """``fused_loss`` and ``recompute_mlp`` are what ``use_kernels=True`` brings to training
+    (``recompute_mlp`` follows ``fused_loss`` unless given)."""
     if task not in ("train", "infer"):
         raise UnsupportedError(f"task={task!r}; use 'train' or 'infer'")
     if dtype not in DTYPE_BYTES:
@@ -156,7 +160,8 @@ def plan(config, *, task: str = "train", batch: int = 1, seq: int = 2048, gpus: 
         if full_train and wb == 4 and b < 4:
             p.rows.append((f"{dtype} weight copies (autocast cache)", (linear / linear_div) * b))
         act_b = b if b < 4 else 4
-        per_layer = activation_bytes_per_token_layer(s, act_b) / linear_div
+        recompute = fused_loss if recompute_mlp is None else recompute_mlp
+        per_layer = activation_bytes_per_token_layer(s, act_b, recompute) / linear_div
         if gradient_checkpointing:
             acts = tokens * (s.layers * s.hidden * 4 + per_layer)
             p.rows.append(("activations (checkpointed: residuals + 1 layer)", acts))
