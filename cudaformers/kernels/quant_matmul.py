@@ -108,7 +108,7 @@ def quant_matmul_reference(x: torch.Tensor, w: PackedWeight, bias=None) -> torch
 # Integer -> float conversion is a slow instruction (a quarter of the FMA rate); a small integer v
 # placed in the mantissa of 2**23 converts with one OR and one subtraction instead. Without it, the
 # 4-bit kernels would be bound by conversions, not by memory.
-MAGIC: tl.constexpr = 0x4B000000  # the bits of 2.0 ** 23
+MAGIC = tl.constexpr(0x4B000000)  # the bits of 2.0 ** 23 (a constexpr object: compiled Triton reads no plain globals)
 
 
 @triton.jit

@@ -30,7 +30,10 @@ from .pdl import pdl_enabled, release_dependents, wait_for_producer
 
 logger = logging.getLogger("cudaformers")
 
-ROWS = (5, 64)        # rows (tokens) skinny_applies accepts by default; gemv.py takes 1-4
+# Rows (tokens) skinny_applies accepts by default; gemv.py takes 1-4. Measured on an H200
+# (bench/skinny_gemm.py, bench/RESULTS.md run 6): ahead of cuBLAS by 1-11% per layer at 8-16 rows,
+# behind it from 32 rows on (qwen3-0.6b, 32 rows: 31.1 vs 24.9 us per layer), so cuBLAS keeps those.
+ROWS = (5, 16)
 _COUNTERS = 4096      # split-K tile counters held per device; a split call uses one per tile
 _MAX_BLOCK_M = 128
 _SMEM_PER_PROGRAM = 100 << 10
