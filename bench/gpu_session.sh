@@ -2,9 +2,13 @@
 # One GPU session's worth of checks and benchmarks, each under its own time limit so that one slow
 # or failing part cannot starve the rest. Logs go to $OUT (or ./out). Usage:
 #   COMMIT=$(git rev-parse --short HEAD) bash bench/gpu_session.sh [part ...]
-# Parts (default: all, in this order): generate train engine kernels-tests kernels-bench decode-profile
+# Parts (default: all, in this order): generate train engine kernels-tests kernels-bench decode-profile;
+# tests:NAME runs tests/gpu/test_NAME_gpu.py alone (8 workers), e.g. tests:quant. Pytest runs are verbose
+# so that a part cut by its limit still names its failures in the log.
 set -u
 export PYTHONPATH="${PYTHONPATH:-$PWD}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+# Autotuning results join the compiled kernels in the Triton cache, so a carried cache skips both.
+export TRITON_CACHE_AUTOTUNING=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT="${OUT:-out}"; mkdir -p "$OUT"
 parts=("$@"); [ ${#parts[@]} -eq 0 ] && parts=(generate train engine kernels-tests kernels-bench decode-profile)
@@ -12,7 +16,8 @@ run() {  # name, seconds (LIMIT_<name> overrides), command...
   local name=$1 var="LIMIT_${1//-/_}"; local limit=${!var:-$2}; shift 2
   echo "=== $name (limit ${limit}s)"
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "=== $name exit $?"
-  grep -v '^JSON\|it/s]\|Writing model shards\|Loading weights' "$OUT/$name.log" | tail -n 25
+  grep -v '^JSON\|it/s]\|Writing model shards\|Loading weights\| PASSED\|PytestBenchmarkWarning\|warner(' \
+    "$OUT/$name.log" | tail -n 25
 }
 for part in "${parts[@]}"; do
   case $part in
@@ -21,13 +26,13 @@ for part in "${parts[@]}"; do
     train) run train 110 python3 bench/train.py --kernels off,on --attn sdpa --json "$OUT/results.jsonl" ;;
     engine) run engine 90 python3 bench/serve_offline.py --skip-hf --json "$OUT/results.jsonl" ;;
     engine-profile) run engine-profile 70 python3 bench/profile_engine.py ;;
-    kernels-tests) run kernels-tests 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_kernels_gpu.py ;;
+    kernels-tests) run kernels-tests 90 python3 -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider tests/gpu/test_kernels_gpu.py ;;
     kernels-bench) run kernels-bench 60 python3 bench/kernels.py ;;
     decode-profile) run decode-profile 60 python3 bench/profile_decode.py --attn triton --kernels ;;
     decode-kernels) run decode-kernels 40 python3 bench/decode_kernels.py ;;
-    fusion-tests) run fusion-tests 90 python3 -m pytest -q -m gpu -p no:cacheprovider \
+    fusion-tests) run fusion-tests 90 python3 -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider \
                     tests/gpu/test_decode_fusion_gpu.py tests/gpu/test_kernels_gpu.py ;;
-    gpu-tests) run gpu-tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 120 tests/gpu ;;
+    gpu-tests) run gpu-tests 300 python3 -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider --timeout 120 tests/gpu ;;
     generate-ours) run generate-ours 150 python3 bench/generate.py --skip-hf --workloads W1,W3 \
                      --variants triton+kernels --check-eager --json "$OUT/results.jsonl" ;;
     decode-profile-32) run decode-profile-32 60 python3 bench/profile_decode.py --attn triton --kernels --batch 32 ;;
@@ -37,14 +42,14 @@ for part in "${parts[@]}"; do
     train-ours) run train-ours 50 python3 bench/train.py --skip-hf --kernels on --attn sdpa --json "$OUT/results.jsonl" ;;
     train-profile) run train-profile 60 python3 bench/profile_train.py ;;
     serve-online) run serve-online 90 python3 bench/serve_online.py --json "$OUT/results.jsonl" ;;
-    tests-stable) run tests-stable 90 python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 --timeout 100 \
+    tests-stable) run tests-stable 90 python3 -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider -n 8 --timeout 100 \
                     tests/gpu/test_quant_gpu.py tests/gpu/test_train_gpu.py tests/gpu/test_device_gpu.py \
                     tests/gpu/test_mamba_bwd_gpu.py tests/gpu/test_server_gpu.py tests/gpu/test_core_gpu.py \
                     tests/gpu/test_engine_gpu.py ;;
     skinny) run skinny 60 python3 bench/skinny_gemm.py ;;
-    skinny-tests) run skinny-tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_skinny_gemm_gpu.py ;;
+    skinny-tests) run skinny-tests 120 python3 -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider tests/gpu/test_skinny_gemm_gpu.py ;;
     paged-decode) run paged-decode 60 python3 bench/paged_decode.py --sweep ;;
-    new-kernel-tests) run new-kernel-tests 80 python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 --timeout 90 \
+    new-kernel-tests) run new-kernel-tests 80 python3 -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider -n 8 --timeout 90 \
                         tests/gpu/test_pdl_gpu.py tests/gpu/test_skinny_gemm_gpu.py tests/gpu/test_attention_gpu.py \
                         tests/gpu/test_core_gpu.py tests/gpu/test_engine_gpu.py -k "not test_forward_full_size \
                         and not test_backward_full_size and not test_backends_match and not test_paged_prefill" ;;
@@ -52,6 +57,8 @@ for part in "${parts[@]}"; do
           --json "$OUT/results.jsonl" ;;
     quant-8b) run quant-8b 100 python3 bench/quant.py --parts decode,qlora --shapes qwen3-8b \
                 --methods bf16,int8,int4,nf4 --json "$OUT/results.jsonl" ;;
+    tests:*) f=${part#tests:}; run "tests-$f" 240 python3 -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider \
+               -n 8 --timeout 120 "tests/gpu/test_${f}_gpu.py" ;;
     *) echo "unknown part $part" ;;
   esac
 done
