@@ -41,13 +41,11 @@ class _RecomputedGatedMLP(torch.autograd.Function):
         d_w_down = dy2.t() @ h.reshape(-1, h.shape[-1])  # [H, I]
         d_gate, d_up = torch.autograd.grad(h, (gate_, up_), dh)
         del h
-        x2 = x.reshape(-1, x.shape[-1])
         dx = d_gate @ w_gate + d_up @ w_up
-        d_w_gate = d_gate.reshape(-1, d_gate.shape[-1]).t() @ x2
-        d_w_up = d_up.reshape(-1, d_up.shape[-1]).t() @ x2
+        x2 = x.reshape(-1, x.shape[-1])                                 # [T, H]
+        dg2, du2 = (g.reshape(-1, g.shape[-1]) for g in (d_gate, d_up))  # [T, I]
         gb, ub, db = ctx.biases
-        return (dx, d_w_gate, d_gate.reshape(-1, d_gate.shape[-1]).sum(0) if gb else None,
-                d_w_up, d_up.reshape(-1, d_up.shape[-1]).sum(0) if ub else None,
+        return (dx, dg2.t() @ x2, dg2.sum(0) if gb else None, du2.t() @ x2, du2.sum(0) if ub else None,
                 d_w_down, dy2.sum(0) if db else None, None)
 
 
