@@ -30,6 +30,10 @@ def _backend(name, dtype=torch.float32, window=None, training=False):
     return get_backend(name, device=CPU, dtype=dtype, head_dim=D, sliding_window=window, training=training)
 
 
+# Ragged (padded and masked in sdpa) and equal lengths (one batched view, no mask).
+LENS = [[7, 1, 30, 16], [12, 12, 12]]
+
+
 def _rand(*shape, seed, dtype=torch.float32, grad=False):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype).requires_grad_(grad)
 
@@ -58,8 +62,8 @@ def _cached_step(q_lens, k_lens, hq, hkv, dtype=torch.float32, block_size=4, see
 @pytest.mark.parametrize("name", BACKENDS)
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv")
 @pytest.mark.parametrize("window", WINDOWS, ids=lambda w: f"window{w}")
-def test_prefill_matches_eager(name, heads, window):
-    lens = [7, 1, 30, 16]
+@pytest.mark.parametrize("lens", LENS, ids=lambda lens: "x".join(map(str, lens)))
+def test_prefill_matches_eager(name, heads, window, lens):
     batch = AttentionBatch.from_seqlens(lens, CPU)
     q, k, v = (_rand(sum(lens), h, D, seed=i) for i, h in enumerate((heads[0], heads[1], heads[1])))
     out = _backend(name, window=window)(q, k, v, batch, 0, D ** -0.5, window)
@@ -99,8 +103,8 @@ def test_bf16_matches_fp32_reference(name):
 @pytest.mark.parametrize("name", [n for n in BACKENDS if n != "flex_attention"])  # flex: no CPU backward
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv")
 @pytest.mark.parametrize("window", WINDOWS, ids=lambda w: f"window{w}")
-def test_training_gradients_match_eager(name, heads, window):
-    lens = [7, 1, 30, 16]
+@pytest.mark.parametrize("lens", LENS, ids=lambda lens: "x".join(map(str, lens)))
+def test_training_gradients_match_eager(name, heads, window, lens):
     batch = AttentionBatch.from_seqlens(lens, CPU)
     grads = []
     for backend in (_backend(name, window=window, training=True), _backend("eager")):

@@ -55,12 +55,21 @@ class SdpaAttention(AttentionBackend):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=is_causal)
 
     def prefill(self, q, k, v, batch, scale, window):
-        b = batch.num_seqs
-        if b == 1 and not window:
-            out = self._run(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                            None, scale, is_causal=q.shape[0] > 1)
-            return out[0].transpose(0, 1)
-        cu, max_q = batch.cu_seqlens_q, batch.max_seqlen_q
+        b, max_q = batch.num_seqs, batch.max_seqlen_q
+        if b * max_q == q.shape[0]:
+            # Every sequence has max_q tokens (known on the host: no sync), so the flat rows are a
+            # [B, S, H, D] view. No gather, no padding mask, no GQA copies: sdpa's fused kernels
+            # take the causal case as is (a window needs one [S, S] mask shared by the batch).
+            def batched(t):  # [T, H, D] -> [B, H, S, D] view
+                return t.view(b, max_q, *t.shape[1:]).transpose(1, 2)
+
+            mask = None
+            if window and max_q > 1:
+                pos = torch.arange(max_q, device=q.device)
+                mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
+            out = self._run(batched(q), batched(k), batched(v), mask, scale, is_causal=mask is None and max_q > 1)
+            return out.transpose(1, 2).reshape(q.shape)
+        cu = batch.cu_seqlens_q
         qp, valid = _scatter_rows(q, cu, max_q)
         kp, _ = _scatter_rows(k, cu, max_q)
         vp, _ = _scatter_rows(v, cu, max_q)
