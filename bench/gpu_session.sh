@@ -41,6 +41,8 @@ for part in "${parts[@]}"; do
             --json "$OUT/results.jsonl" ;;
     train-ours) run train-ours 50 python3 bench/train.py --skip-hf --kernels on --attn sdpa --json "$OUT/results.jsonl" ;;
     train-profile) run train-profile 60 python3 bench/profile_train.py ;;
+    train-profile-triton) run train-profile-triton 60 python3 bench/profile_train.py --attn triton ;;
+    host-profile) run host-profile 60 python3 bench/profile_host.py --attn triton --kernels ;;
     serve-online) run serve-online 90 python3 bench/serve_online.py --json "$OUT/results.jsonl" ;;
     tests-stable) run tests-stable 90 python3 -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider -n 8 --timeout 100 \
                     tests/gpu/test_quant_gpu.py tests/gpu/test_train_gpu.py tests/gpu/test_device_gpu.py \
