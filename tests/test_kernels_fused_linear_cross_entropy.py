@@ -96,3 +96,32 @@ def test_flce_under_autocast_with_fp32_residual_stream():
     torch.testing.assert_close(loss, ref, atol=1e-3, rtol=1e-3)
     torch.testing.assert_close(h.grad, h2.grad, atol=5e-3, rtol=5e-2)
     torch.testing.assert_close(w.grad, w2.grad, atol=5e-3, rtol=5e-2)
+
+
+def test_chunks_fill_the_logits_budget_evenly():
+    from cudaformers.kernels import fused_linear_cross_entropy as flce
+
+    # W6 (qwen3-0.6b, 8 x 2048 tokens, bf16 logits): 10 chunks of ~1.7k rows, not 64 of 256, so the
+    # fp32 weight-gradient accumulator is read and written 10 times instead of 64.
+    c = flce._chunk_size(16384, 151936, 2)
+    assert c % 64 == 0 and 1536 <= c <= 1792, c
+    assert c * 151936 * 2 <= flce.LOGITS_BUDGET * 1.05
+    assert -(-16384 // c) == 10
+    assert flce._chunk_size(100, 151936, 2) == 100  # a small batch is one chunk
+    assert flce._chunk_size(5, 32, 4) == 5
+    assert flce._chunk_size(10**6, 10**7, 4) == 128  # a huge vocabulary keeps 128 rows
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_flce_default_chunking_over_several_chunks(monkeypatch, dtype):
+    from cudaformers.kernels import fused_linear_cross_entropy as flce
+
+    n, h, v = 300, 16, 96
+    monkeypatch.setattr(flce, "LOGITS_BUDGET", 128 * v * dtype.itemsize)  # 128-row cap: 3 chunks of 128
+    assert flce._chunk_size(n, v, dtype.itemsize) == 128
+    hidden, weight, targets = _inputs(n, h, v, seed=4)
+    ours = _run(fused_linear_cross_entropy, hidden, weight, targets, dtype)
+    ref = _run(fused_linear_cross_entropy_reference, hidden, weight, targets, dtype)
+    ref32 = _run(fused_linear_cross_entropy_reference, hidden, weight, targets, torch.float32)
+    for what, a, b, c in zip(["loss", "dhidden", "dweight"], ours, ref, ref32):
+        assert_matches(a, b, c, f"{what} {dtype}", dtype=dtype)

@@ -4,17 +4,31 @@ Tokens are processed in chunks: the chunk's logits are computed by one matmul, a
 them in place into ``d loss / d logits`` (online logsumexp over the vocabulary, then softmax minus
 one-hot, already divided by the number of counted targets), and two more matmuls fold that into the
 gradients of hidden and weight. The gradients are therefore produced during the forward; backward
-only scales them by the incoming gradient. Peak extra memory is one chunk of logits plus an fp32
-weight-gradient accumulator, instead of ``N x V`` logits (and their gradient) in fp32.
+only scales them by the incoming gradient.
+
+Chunk size is a trade-off between the logits buffer (``c x V`` values) and the weight-gradient
+accumulator (``V x H`` fp32), which every chunk reads and writes once. Per chunk the weight-gradient
+matmul does ``2 c V H`` flops against ``8 V H`` bytes of accumulator traffic: ``c / 4`` flops a byte,
+so it stays compute-bound on an H100/H200 (ridge ~150-200) once a chunk has more than ~700 rows,
+while 256-row chunks spend more time moving the accumulator than multiplying (qwen3-0.6b, 16k
+tokens: 64 chunks x 1.2 GB = 78 GB of traffic, ~20 ms). Chunks are therefore sized from a byte budget
+for the logits (``LOGITS_BUDGET``, 512 MiB: 1.7k rows of a 152k bf16 vocabulary) and balanced so the
+last one is not a sliver. On CUDA the accumulation is the matmul's own epilogue (``addmm`` with an
+fp32 output from bf16/fp16 inputs, beta = 1); where PyTorch lacks that overload the chunk's product is
+added to the fp32 accumulator separately.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import triton
 import triton.language as tl
 
 from ..layers.loss import IGNORE_INDEX, cross_entropy_from_logits
+
+logger = logging.getLogger("cudaformers")
 
 
 @triton.jit
@@ -51,16 +65,44 @@ def _ce_rows(logits_ptr, stride_row, targets_ptr, loss_ptr, scale_ptr, n_cols, i
             tl.store(base + idx, (g * scale).to(logits_ptr.dtype.element_ty), mask=idx < n_cols)
 
 
-def _chunk_size(n: int, h: int, v: int) -> int:
-    # About as many logits per chunk as there are hidden values (at least 256 rows so the matmuls
-    # stay efficient, at most 4096 so a chunk of a 152k vocabulary stays near a gigabyte).
-    return max(1, min(n, 4096, max(256, triton.next_power_of_2(triton.cdiv(n * h, v)))))
+LOGITS_BUDGET = 512 << 20  # bytes of logits one chunk may hold
+
+
+def _chunk_size(n: int, v: int, itemsize: int) -> int:
+    """Rows per chunk: as many as the logits budget allows (at least 128, so the matmuls keep their
+    efficiency on huge vocabularies), spread evenly over the chunks and rounded up to a multiple of 64."""
+    most = max(128, LOGITS_BUDGET // (v * itemsize))
+    chunks = triton.cdiv(n, most)
+    return max(1, min(n, triton.cdiv(triton.cdiv(n, chunks), 64) * 64))
 
 
 def _check_targets(targets, vocab, ignore_index):
     valid = (targets == ignore_index) | ((targets >= 0) & (targets < vocab))
     torch._assert_async(valid.all(), "fused cross-entropy: a target is outside [0, vocab_size) and is "
                                      "not ignore_index; check the labels")
+
+
+# device type -> whether torch.addmm takes an fp32 accumulator with bf16/fp16 factors (out_dtype);
+# found out on first use (the overload exists on CUDA from torch 2.8, and its dtype checks changed).
+_FP32_EPILOGUE: dict[str, bool] = {}
+
+
+def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` for an fp32 ``acc``, in the matmul's epilogue where the dtypes allow."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+        return
+    dev = acc.device.type
+    if _FP32_EPILOGUE.get(dev, dev == "cuda"):
+        try:
+            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+            _FP32_EPILOGUE[dev] = True
+            return
+        except (RuntimeError, TypeError) as e:  # an older overload: rejected before any launch
+            logger.debug("fused cross-entropy: torch.addmm has no fp32-output overload for %s here (%s); "
+                         "adding each chunk's weight gradient separately", a.dtype, e)
+            _FP32_EPILOGUE[dev] = False
+    acc += a @ b
 
 
 def _flce(hidden, weight, targets, scale, ignore_index, want_grad_h, want_grad_w, chunk):
@@ -72,19 +114,19 @@ def _flce(hidden, weight, targets, scale, ignore_index, want_grad_h, want_grad_w
     grad_h = torch.empty_like(hidden) if want_grad_h else None
     grad_w = torch.zeros(v, h, device=weight.device, dtype=torch.float32) if want_grad_w else None
     write_grad = want_grad_h or want_grad_w
-    block = min(triton.next_power_of_2(v), 4096 if hidden.device.type == "cuda" else 1024)
+    cuda = hidden.device.type == "cuda"
+    block = min(triton.next_power_of_2(v), 4096 if cuda else 1024)
+    warps = 8 if cuda and block >= 2048 else 4
     for start in range(0, n, chunk):
         h_c = hidden[start:start + chunk]
-        logits = h_c @ w.t()  # [c, V]
+        logits = h_c @ w.t()  # [c, V], becomes d loss / d logits in place
         _ce_rows[(h_c.shape[0],)](logits, logits.stride(0), targets[start:start + chunk], loss[start:],
-                                  scale, v, ignore_index, WRITE_GRAD=write_grad, BLOCK=block)
+                                  scale, v, ignore_index, WRITE_GRAD=write_grad, BLOCK=block, num_warps=warps)
         if want_grad_h:
             torch.mm(logits, w, out=grad_h[start:start + chunk])
         if want_grad_w:
-            if logits.dtype == torch.float32:
-                grad_w.addmm_(logits.t(), h_c)
-            else:
-                grad_w += logits.t() @ h_c
+            _accumulate(grad_w, logits.t(), h_c)  # [V, c] @ [c, H]
+        del logits
     return loss, grad_h, grad_w
 
 
@@ -97,16 +139,19 @@ def _scale(targets, num_items_in_batch, ignore_index):
     return (1.0 / count.to(torch.float32)).reshape(1)
 
 
+def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
+    device_type = hidden.device.type
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
+
+
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, scale, ignore_index, chunk):
         # Under autocast the residual stream is often fp32 while matmuls run in the autocast dtype:
         # compute in that dtype explicitly (autocast off inside, so out= buffers keep their dtypes)
         # and hand the hidden gradient back in the hidden's own dtype.
-        device_type = hidden.device.type
-        compute = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
-        with torch.autocast(device_type, enabled=False):
-            loss, grad_h, grad_w = _flce(hidden.to(compute), weight, targets, scale, ignore_index,
+        with torch.autocast(hidden.device.type, enabled=False):
+            loss, grad_h, grad_w = _flce(hidden.to(_compute_dtype(hidden)), weight, targets, scale, ignore_index,
                                          ctx.needs_input_grad[0], ctx.needs_input_grad[1], chunk)
         if grad_h is not None:
             grad_h = grad_h.to(hidden.dtype)
@@ -137,7 +182,7 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
     hidden, targets = hidden.contiguous(), targets.contiguous()
     _check_targets(targets, weight.shape[0], ignore_index)
     scale = _scale(targets, num_items_in_batch, ignore_index)
-    chunk = chunk_size or _chunk_size(*hidden.shape, weight.shape[0])
+    chunk = chunk_size or _chunk_size(hidden.shape[0], weight.shape[0], _compute_dtype(hidden).itemsize)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return _FusedLinearCrossEntropy.apply(hidden, weight, targets, scale, ignore_index, chunk)
     loss, _, _ = _flce(hidden, weight, targets, scale, ignore_index, False, False, chunk)

@@ -142,3 +142,27 @@ def test_mamba_kernels_full_size(dtype):
     args = lambda f: (f(u), f(dt), A, f(B), f(C), D, f(z))  # noqa: E731
     check(selective_scan(*args(cast))[0], selective_scan_reference(*args(cast))[0],
           selective_scan_reference(*args(lambda t: t))[0], "scan", dtype)
+
+
+def test_fused_linear_cross_entropy_autocast_master_weights_over_several_chunks():
+    # W6's case: bf16 hidden, fp32 (tied) weight; the fp32 weight gradient accumulates over 3 chunks
+    # in the matmul epilogue (addmm with an fp32 output) where torch has that overload.
+    from cudaformers.kernels import fused_linear_cross_entropy as flce
+
+    n, h, v = 4096, 1024, 151936
+    g = torch.Generator(device=DEV).manual_seed(0)
+    hidden = torch.randn(n, h, device=DEV, generator=g)
+    weight = torch.randn(v, h, device=DEV, generator=g) * 0.02
+    targets = torch.randint(0, v, (n,), device=DEV, generator=g)
+    assert -(-n // flce._chunk_size(n, v, 2)) >= 3
+    hb, w = hidden.bfloat16().requires_grad_(), weight.clone().requires_grad_()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        flce.fused_linear_cross_entropy(hb, w, targets).backward()
+    h_ref, w_ref = hidden.bfloat16().requires_grad_(), weight.clone().requires_grad_()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        flce.fused_linear_cross_entropy_reference(h_ref, w_ref, targets).backward()
+    h32, w32 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    flce.fused_linear_cross_entropy_reference(h32, w32, targets).backward()
+    assert w.grad.dtype == torch.float32 and hb.grad.dtype == torch.bfloat16
+    check(w.grad, w_ref.grad, w32.grad, "flce autocast dweight", torch.bfloat16)
+    check(hb.grad, h_ref.grad, h32.grad, "flce autocast dhidden", torch.bfloat16)
