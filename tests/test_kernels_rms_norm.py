@@ -102,3 +102,45 @@ def test_rms_norm_reads_strided_views(layout, residual, dtype):
     for name, a, b, c in zip(["y", "dx", "s", "dr", "y (no grad)"] if residual else ["y", "dx", "y (no grad)"],
                              ours, ref, ref32):
         assert_matches(a, b, c, f"{name} ({dtype}, {layout})")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cols", [64, 96, 128, 1000, 1024])
+@pytest.mark.parametrize("rows", [1, 7, 64, 1000])
+def test_rms_norm_tiles_odd_and_power_of_two_shapes(rows, cols, dtype):
+    # Narrow rows share a tile (up to 64 rows of 64), wide ones fill it alone; 1000 rows leave a
+    # partial last tile, and the backward's programs each walk several tiles.
+    residual = (rows + cols) % 2 == 1
+    x, w, r, dy = _inputs(rows, cols, dtype, residual)
+    ours = _run(rms_norm, x, w, r, dy, dtype)
+    ref = _run(_ref, x, w, r, dy, dtype)
+    ref32 = _run(_ref, x, w, r, dy, torch.float32)
+    names = ["y", "s", "dx", "dw", "dr"] if residual else ["y", "dx", "dw"]
+    for name, a, b, c in zip(names, ours, ref, ref32):
+        assert a.dtype == b.dtype, name
+        assert_matches(a, b, c, f"{name} ({dtype}, {rows}x{cols})")
+
+
+def test_rms_norm_weight_gradient_is_deterministic():
+    x, w, r, dy = _inputs(999, 128, torch.float32, True)
+    first = _run(rms_norm, x, w, r, dy, torch.bfloat16)[3]
+    for _ in range(2):
+        assert torch.equal(_run(rms_norm, x, w, r, dy, torch.bfloat16)[3], first)
+
+
+def test_rms_norm_per_head_rows_as_in_qk_norm():
+    # q_norm: [T, heads, head_dim] rows, bf16 activations, fp32 weight (autocast master weights).
+    g = torch.Generator().manual_seed(2)
+    q0, w0 = torch.randn(37, 16, 128, generator=g), 1 + 0.1 * torch.randn(128, generator=g)
+    dy = torch.randn(37, 16, 128, generator=g)
+
+    def run(fn, dt):
+        q, w = q0.to(dt).requires_grad_(), w0.clone().requires_grad_()
+        y = fn(q, w, 1e-6)
+        (y.float() * dy).sum().backward()
+        return y, q.grad, w.grad
+
+    ours, ref, ref32 = run(rms_norm, torch.bfloat16), run(_ref, torch.bfloat16), run(_ref, torch.float32)
+    assert ours[0].dtype == torch.float32 and ours[2].dtype == torch.float32
+    for name, a, b, c in zip(["y", "dq", "dw"], ours, ref, ref32):
+        assert_matches(a, b, c, f"{name} (q_norm)", dtype=torch.bfloat16)
