@@ -65,3 +65,33 @@ def test_rotary_on_strided_views():
     apply_rotary(q, k, cos, sin)
     torch.testing.assert_close(q, ref_q)
     torch.testing.assert_close(k, ref_k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,hq,hkv,d,rot", [(37, 16, 8, 128, 128), (64, 4, 1, 64, 64), (7, 3, 1, 96, 96),
+                                            (11, 5, 5, 96, 64)])
+def test_rotary_token_tiles(t, hq, hkv, d, rot, dtype):
+    # Several tokens a program (32 for one 64-channel head), a partial last tile, non-power-of-two
+    # heads and head dims, and partial rotary with the pass-through channels' gradient.
+    g = torch.Generator().manual_seed(t + hq + d)
+    q, k = torch.randn(t, hq, d, generator=g), torch.randn(t, hkv, d, generator=g)
+    dq, dk = torch.randn(t, hq, d, generator=g), torch.randn(t, hkv, d, generator=g)
+    cos, sin = _cos_sin(t, rot)
+    ours = _run(apply_rotary, q, k, cos, sin, dq, dk, dtype)
+    ref = _run(apply_rotary_reference, q, k, cos, sin, dq, dk, dtype)
+    ref32 = _run(apply_rotary_reference, q, k, cos, sin, dq, dk, torch.float32)
+    for name, a, b, c in zip(["q", "k", "dq", "dk"], ours, ref, ref32):
+        assert_matches(a, b, c, f"{name} ({dtype}, t={t})")
+
+
+def test_rotary_out_of_place_from_a_strided_input():
+    from cudaformers.kernels.rotary import _rotate_into
+
+    qkv = torch.randn(9, 4 * 32)
+    q = qkv[:, :96].view(9, 3, 32)
+    cos, sin = _cos_sin(9, 32)
+    out = torch.empty(9, 3, 32)
+    _rotate_into(q, out, cos, sin, -1.0)
+    ref, _ = apply_rotary_reference(q, q[:, :1], cos, -sin)
+    torch.testing.assert_close(out, ref)
+    assert torch.equal(qkv[:, :96].view(9, 3, 32), q)  # the input is untouched

@@ -15,37 +15,50 @@ from ..layers.rotary import apply_rotary_reference
 
 
 @triton.jit
-def _rotate(x_ptr, stride_t, stride_h, n_heads, cos_ptr, sin_ptr, half, sign,
-            BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    heads = tl.arange(0, BLOCK_H)[:, None]
-    cols = tl.arange(0, BLOCK_D)[None, :]
-    mask = (heads < n_heads) & (cols < half)
+def _rotate(x_ptr, y_ptr, stride_xt, stride_xh, stride_yt, stride_yh, n_tokens, n_heads, cos_ptr, sin_ptr, half,
+            sign, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    # A [BLOCK_T, BLOCK_H, BLOCK_D] tile: a few tokens' worth of heads, so a program moves ~2k values.
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None, None]
+    heads = tl.arange(0, BLOCK_H)[None, :, None]
+    cols = tl.arange(0, BLOCK_D)[None, None, :]
+    t_ok = t < n_tokens
+    mask = t_ok & (heads < n_heads) & (cols < half)
+    t = t.to(tl.int64)
     # cos/sin repeat their halves (cat(freqs, freqs)); each half is read for the channel it scales.
-    c1 = tl.load(cos_ptr + t * 2 * half + cols, mask=cols < half, other=0.0).to(tl.float32)
-    c2 = tl.load(cos_ptr + t * 2 * half + half + cols, mask=cols < half, other=0.0).to(tl.float32)
-    s1 = sign * tl.load(sin_ptr + t * 2 * half + cols, mask=cols < half, other=0.0).to(tl.float32)
-    s2 = sign * tl.load(sin_ptr + t * 2 * half + half + cols, mask=cols < half, other=0.0).to(tl.float32)
-    p1 = x_ptr + t * stride_t + heads * stride_h + cols
-    p2 = p1 + half
-    x1 = tl.load(p1, mask=mask, other=0.0)
-    x2 = tl.load(p2, mask=mask, other=0.0)
+    cs = t * 2 * half + cols
+    cs_mask = t_ok & (cols < half)
+    c1 = tl.load(cos_ptr + cs, mask=cs_mask, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + cs + half, mask=cs_mask, other=0.0).to(tl.float32)
+    s1 = sign * tl.load(sin_ptr + cs, mask=cs_mask, other=0.0).to(tl.float32)
+    s2 = sign * tl.load(sin_ptr + cs + half, mask=cs_mask, other=0.0).to(tl.float32)
+    px = x_ptr + t * stride_xt + heads * stride_xh + cols
+    py = y_ptr + t * stride_yt + heads * stride_yh + cols
+    x1 = tl.load(px, mask=mask, other=0.0)
+    x2 = tl.load(px + half, mask=mask, other=0.0)
     y1 = x1.to(tl.float32) * c1 - x2.to(tl.float32) * s1
     y2 = x2.to(tl.float32) * c2 + x1.to(tl.float32) * s2
-    tl.store(p1, y1.to(x1.dtype), mask=mask)
-    tl.store(p2, y2.to(x2.dtype), mask=mask)
+    tl.store(py, y1.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(py + half, y2.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _rotate_into(x: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> None:
+    """Writes ``x [T, H, D]`` rotated into ``out`` (which may be ``x`` itself). Channels past the
+    rotated ones are not touched: ``out`` must already hold them."""
+    t, h, _ = x.shape
+    if t == 0:
+        return
+    if x.stride(-1) != 1 or out.stride(-1) != 1:
+        raise ValueError("rotary kernel needs the head dimension to be contiguous (x.stride(-1) == 1)")
+    half = cos.shape[-1] // 2
+    block_h, block_d = triton.next_power_of_2(h), triton.next_power_of_2(half)
+    block_t = max(1, 1024 // (block_h * block_d))
+    _rotate[(triton.cdiv(t, block_t),)](x, out, x.stride(0), x.stride(1), out.stride(0), out.stride(1), t, h, cos,
+                                        sin, half, sign, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d)
 
 
 def _rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> None:
     """Rotates ``x [T, H, D]`` in place."""
-    t, h, _ = x.shape
-    if t == 0:
-        return
-    if x.stride(-1) != 1:
-        raise ValueError("rotary kernel needs the head dimension to be contiguous (x.stride(-1) == 1)")
-    half = cos.shape[-1] // 2
-    _rotate[(t,)](x, x.stride(0), x.stride(1), h, cos, sin, half, sign,
-                  BLOCK_H=triton.next_power_of_2(h), BLOCK_D=triton.next_power_of_2(half))
+    _rotate_into(x, x, cos, sin, sign)
 
 
 class _Rotary(torch.autograd.Function):
@@ -61,9 +74,12 @@ class _Rotary(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dx):
         cos, sin = ctx.saved_tensors
-        dx = dx.contiguous().clone()
-        _rotate_(dx, cos, sin, -1.0)
-        return dx, None, None
+        # Out of place into a fresh buffer: the incoming gradient may be shared with other nodes.
+        out = torch.empty(dx.shape, device=dx.device, dtype=dx.dtype)
+        if cos.shape[-1] < dx.shape[-1]:  # partial rotary: the pass-through channels' gradient as is
+            out[..., cos.shape[-1]:] = dx[..., cos.shape[-1]:]
+        _rotate_into(dx if dx.stride(-1) == 1 else dx.contiguous(), out, cos, sin, -1.0)
+        return out, None, None
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
