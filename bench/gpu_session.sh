@@ -50,6 +50,9 @@ for part in "${parts[@]}"; do
                     tests/gpu/test_engine_gpu.py ;;
     skinny) run skinny 60 python3 bench/skinny_gemm.py ;;
     skinny-tests) run skinny-tests 120 python3 -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider tests/gpu/test_skinny_gemm_gpu.py ;;
+    paged-decode-engine) run paged-decode-engine 60 python3 bench/paged_decode.py --sweep --batches 128,256 \
+                           --contexts 400,800 --pages 16 ;;
+    engine-kernels) run engine-kernels 90 python3 bench/profile_engine.py --kernels ;;
     paged-decode) run paged-decode 60 python3 bench/paged_decode.py --sweep ;;
     new-kernel-tests) run new-kernel-tests 80 python3 -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider -n 8 --timeout 90 \
                         tests/gpu/test_pdl_gpu.py tests/gpu/test_skinny_gemm_gpu.py tests/gpu/test_attention_gpu.py \

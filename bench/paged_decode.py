@@ -1,6 +1,6 @@
 """Paged decode attention at qwen3-0.6b shapes (Hq=16, Hkv=8, D=128, bf16): before vs after, in CUDA graphs.
 
-    python bench/paged_decode.py [--sweep] [--hot]
+    python bench/paged_decode.py [--sweep] [--hot] [--batches 1,32] [--contexts 130,260,1024,8192] [--pages 16,256]
 
 "before" is the kernel as of commit e48641e (bench/baselines/: a split kernel plus a combine
 launch), "after" is cudaformers.kernels.paged_decode (one launch), timed without and with
@@ -39,7 +39,8 @@ HQ, HKV, D, DTYPE, DEV = 16, 8, 128, torch.bfloat16, "cuda"
 CAPACITY = 16384
 BATCHES, CONTEXTS, PAGES = (1, 32), (130, 260, 1024, 8192), (16, 256)
 SWEEP = [DecodeTiling(64, 4, 3, 512, 2), DecodeTiling(64, 4, 4, 256, 3), DecodeTiling(64, 4, 4, 1024, 3),
-         DecodeTiling(128, 4, 2, 512, 1), DecodeTiling(128, 8, 3, 512, 2), DecodeTiling(32, 4, 4, 256, 3)]
+         DecodeTiling(128, 4, 2, 512, 1), DecodeTiling(128, 8, 3, 512, 2), DecodeTiling(32, 4, 4, 256, 3),
+         DecodeTiling(32, 2, 6, 2048, 5), DecodeTiling(64, 8, 4, 2048, 3), DecodeTiling(16, 2, 8, 2048, 7)]
 
 
 def load_baseline():
@@ -120,7 +121,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true", help="also time the tilings in SWEEP")
     ap.add_argument("--hot", action="store_true", help="one copy of each context (L2-resident when small)")
+    ap.add_argument("--batches", default=",".join(map(str, BATCHES)), help="e.g. 128,256 for engine decode batches")
+    ap.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
+    ap.add_argument("--pages", default=",".join(map(str, PAGES)))
     args = ap.parse_args()
+    batches, contexts, pages = ([int(x) for x in v.split(",")] for v in (args.batches, args.contexts, args.pages))
     if not torch.cuda.is_available():
         raise SystemExit("paged_decode.py needs a CUDA GPU")
     began = time.perf_counter()
@@ -130,11 +135,11 @@ def main() -> None:
     gen = torch.Generator(device=DEV).manual_seed(0)
     rows, sweep_rows = [], []
     with torch.inference_mode():
-        for batch in BATCHES:
-            for context in CONTEXTS:
+        for batch in batches:
+            for context in contexts:
                 copies = 1 if args.hot else min(128, max(1, math.ceil(2 * l2 / kv_bytes(batch, context))))
                 reps = copies * max(1, math.ceil(16 / copies))
-                for page in PAGES:
+                for page in pages:
                     row, sweep_row = run_case(before, batch, context, page, copies, reps, pdl, args.sweep, gen)
                     rows.append(row)
                     sweep_rows.append(sweep_row)
@@ -143,7 +148,7 @@ def main() -> None:
     dev = torch.device(DEV)
     print(f"\n{torch.cuda.get_device_name()}  Hq={HQ} Hkv={HKV} D={D} bf16, grid capacity {CAPACITY} keys, "
           f"L2 {l2 >> 20} MiB, us per call in a CUDA graph")
-    for batch in BATCHES:
+    for batch in batches:
         print(f"default tiling at B={batch}: {default_tiling(batch, HKV, D, DTYPE, dev)}")
     print_table("paged decode, before (e48641e) vs after",
                 ("case", "KV MB", "copies", "before us", "after us", "+PDL us", "before TB/s", "after TB/s",
