@@ -125,3 +125,16 @@ def test_flce_default_chunking_over_several_chunks(monkeypatch, dtype):
     ref32 = _run(fused_linear_cross_entropy_reference, hidden, weight, targets, torch.float32)
     for what, a, b, c in zip(["loss", "dhidden", "dweight"], ours, ref, ref32):
         assert_matches(a, b, c, f"{what} {dtype}", dtype=dtype)
+
+
+def test_flce_matmuls_run_in_the_autocast_dtype(monkeypatch):
+    from cudaformers.kernels import fused_linear_cross_entropy as flce
+
+    seen = []
+    inner = flce._flce
+    monkeypatch.setattr(flce, "_flce", lambda h, w, *a: seen.append((h.dtype, w.dtype)) or inner(h, w, *a))
+    hidden, weight, targets = _inputs(6, 16, 40, seed=2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        flce.fused_linear_cross_entropy(hidden.requires_grad_(), weight.requires_grad_(), targets).backward()
+    assert seen == [(torch.bfloat16, torch.float32)]  # hidden cast once; the weight is cast inside
+    assert hidden.grad.dtype == weight.grad.dtype == torch.float32

@@ -150,8 +150,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         # Under autocast the residual stream is often fp32 while matmuls run in the autocast dtype:
         # compute in that dtype explicitly (autocast off inside, so out= buffers keep their dtypes)
         # and hand the hidden gradient back in the hidden's own dtype.
+        compute = _compute_dtype(hidden)  # read before autocast is switched off
         with torch.autocast(hidden.device.type, enabled=False):
-            loss, grad_h, grad_w = _flce(hidden.to(_compute_dtype(hidden)), weight, targets, scale, ignore_index,
+            loss, grad_h, grad_w = _flce(hidden.to(compute), weight, targets, scale, ignore_index,
                                          ctx.needs_input_grad[0], ctx.needs_input_grad[1], chunk)
         if grad_h is not None:
             grad_h = grad_h.to(hidden.dtype)
