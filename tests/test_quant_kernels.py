@@ -56,9 +56,10 @@ def _check(out, x, w, dtype, what):
     assert err <= bound, f"{what}: max error {err:.3g} > {bound:.3g}"
 
 
-# (M, N, K): M = 1 takes the GEMV, M > 1 the tl.dot kernel (split-K up to M = 64); odd N and K are
-# masked (K padded to the group inside the packed weight).
-SHAPES = [(1, 64, 128), (1, 37, 200), (1, 19, 130), (3, 50, 130), (16, 64, 256), (33, 24, 64), (70, 40, 96)]
+# (M, N, K): M = 1 takes the GEMV, M > 1 the tl.dot kernel; odd N and K are masked (K padded to the
+# packing block inside the packed weight).
+SHAPES = [(1, 64, 128), (1, 37, 200), (1, 19, 130), (2, 32, 256), (5, 50, 130), (16, 64, 256), (33, 24, 64),
+          (70, 40, 96)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -108,19 +109,34 @@ def test_backward_through_quantized_layer(fmt, dtype):
 
 def test_pack_unpack_round_trip():
     codes = torch.randint(0, 16, (5, 256), dtype=torch.uint8, generator=torch.Generator().manual_seed(7))
-    for group in (32, 64, 128):
+    for group in (16, 32, 64, 128):
         packed_ = qm.pack_4bit(codes, group)
         assert packed_.shape == (5, 128)
         assert torch.equal(qm.unpack_4bit(packed_, group), codes)
-    # Byte i of a group: element i in the low nibble, element G/2 + i in the high one.
-    assert qm.pack_4bit(torch.arange(16, dtype=torch.uint8)[None], 16)[0, 0].item() == 0 | (8 << 4)
+    q = torch.randint(-127, 128, (3, 128), dtype=torch.int8, generator=torch.Generator().manual_seed(8))
+    assert torch.equal(qm.unpack_planes(qm.pack_planes(q, 64, 8), 64, 8), q)
+
+
+@pytest.mark.parametrize("bits, block", [(4, 128), (4, 64), (8, 64)])
+def test_plane_layout(bits, block):
+    """Code j of little-endian int32 word w of a block is element j * W + w (W words per block)."""
+    per, width = 32 // bits, block * bits // 32
+    codes = torch.randint(0, 1 << bits, (2, 2 * block), generator=torch.Generator().manual_seed(9))
+    words = qm.pack_planes(codes.to(torch.int8 if bits == 8 else torch.uint8), block, bits).view(torch.int32)
+    for b in range(2):
+        for w in range(width):
+            word = words[1, b * width + w].item() & 0xFFFFFFFF
+            for j in range(per):
+                code = (word >> (j * bits)) & ((1 << bits) - 1)
+                assert code == codes[1, b * block + j * width + w].item() & ((1 << bits) - 1)
 
 
 def test_int8_error_is_half_a_step():
     w = torch.randn(33, 77, generator=torch.Generator().manual_seed(4))
     q, s = quantize_int8(w)
-    assert q.shape == (33, 80) and not q[:, 77:].any()  # padded to whole int32 words
-    assert (q[:, :77].float() * s[:, None] - w).abs().le(s[:, None] / 2 + 1e-6).all()
+    codes = qm.unpack_planes(q, 64, 8)
+    assert q.shape == (33, 128) and not codes[:, 77:].any()  # padded to a whole block of 64
+    assert (codes[:, :77].float() * s[:, None] - w).abs().le(s[:, None] / 2 + 1e-6).all()
 
 
 @pytest.mark.parametrize("sym", [True, False])

@@ -5,6 +5,7 @@ lets one kernel stream all the weights. The packed matrix owns the storage and t
 parameters become views of it, so names, state_dict and optimizers see nothing new. The packed
 path runs only in inference with the parameters still plain, unreplaced ``nn.Linear`` weights;
 otherwise (training, LoRA, quantized or swapped weights) the separate projections run as before.
+Quantized projections pack the same way, through ``quant/packing.py``.
 """
 
 from __future__ import annotations
@@ -37,7 +38,14 @@ class PackedLinear(nn.Module):
 
 
 def _pack(owner: nn.Module, linears: list[nn.Linear], name: str) -> bool:
-    if not all(type(m) is nn.Linear for m in linears) or hasattr(owner, name):
+    from ..quant.packing import pack_quantized, stackable
+
+    if hasattr(owner, name):
+        return False
+    if stackable(linears):  # quantized projections: one stacked quantized matmul
+        setattr(owner, name, pack_quantized(linears))
+        return True
+    if not all(type(m) is nn.Linear for m in linears):
         return False
     weights = [m.weight for m in linears]
     if len({(w.device, w.dtype) for w in weights}) != 1 or weights[0].device.type == "meta":
@@ -58,6 +66,8 @@ def _pack(owner: nn.Module, linears: list[nn.Linear], name: str) -> bool:
 def _usable(packed: PackedLinear, first: nn.Module) -> bool:
     # Only while the separate weights are still views of the packed matrix (not replaced, wrapped
     # by adapters, quantized or sharded) and no gradient is wanted.
+    if not isinstance(packed, PackedLinear):
+        return packed.usable_for(first)  # quant.packing.PackedQuantLinear
     return (not packed.training and not torch.is_grad_enabled() and type(first) is nn.Linear
             and first.weight.data_ptr() == packed.weight.data_ptr())
 
@@ -98,6 +108,14 @@ def unpack_projections(model: nn.Module) -> int:
     for module in model.modules():
         for name, linears, method in (("packed_qkv", ("q_proj", "k_proj", "v_proj"), "project_qkv"),
                                       ("packed_gate_up", ("gate_proj", "up_proj"), "project_gate_up")):
+            from ..quant.packing import PackedQuantLinear, unpack_quantized
+
+            if isinstance(getattr(module, name, None), PackedQuantLinear):
+                unpack_quantized([getattr(module, attr) for attr in linears])
+                delattr(module, name)
+                module.__dict__.pop(method, None)
+                count += 1
+                continue
             if not isinstance(getattr(module, name, None), PackedLinear):
                 continue
             for attr in linears:

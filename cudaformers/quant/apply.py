@@ -55,11 +55,15 @@ def prepare_model_for_quantization(model: nn.Module, quantization_config) -> Qua
     if not targets:
         raise UnsupportedError(f"quantization_config found no Linear layers to quantize (skipped: "
                                f"{list(config.skip_modules)})")
+    from ..kernels.fused_projections import fuse_projections, unpack_projections
+
+    repack = unpack_projections(model) > 0  # a loaded model: its float q/k/v, gate/up packing goes first
     for name, linear in targets:
         dtype = getattr(config, "compute_dtype", None) or linear.weight.dtype
         device = linear.weight.device
         with torch.device(device):
             layer = make(linear.in_features, linear.out_features, linear.bias is not None, dtype)
+        layer.checkpoint_packing = config.packing
         if device.type != "meta":
             with torch.no_grad():
                 layer.check_device(device)
@@ -68,6 +72,8 @@ def prepare_model_for_quantization(model: nn.Module, quantization_config) -> Qua
                     layer.bias.copy_(linear.bias)
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, layer)
+    if repack:
+        fuse_projections(model)  # the quantized projections, packed again
     model._quantization = config
     if hasattr(model, "config"):
         model.config.quantization_config = config.to_dict()

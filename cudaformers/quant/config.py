@@ -18,6 +18,9 @@ from ..errors import UnsupportedError
 
 logger = logging.getLogger("cudaformers")
 DEFAULT_SKIP = ("lm_head",)
+# The layout of packed int8/int4/NF4/FP4 tensors in saved checkpoints (kernels/quant_matmul.py). A
+# checkpoint saved quantized without it predates that layout and cannot be read as it.
+PACKING = "planes"
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -34,6 +37,8 @@ def _dtype(value) -> torch.dtype | None:
 class QuantizationConfig:
     quant_method = ""
     modules_to_not_convert: list[str] | None = None
+    # The layout packed tensors of a checkpoint are in; None: a saved config without the key (older layout).
+    packing: str | None = PACKING
 
     @property
     def method(self) -> str:
@@ -48,6 +53,7 @@ class QuantizationConfig:
         out = {"quant_method": self.quant_method}
         for k, v in asdict(self).items():
             out[k] = str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else v
+        out["packing"] = PACKING
         return out
 
     def to_json_string(self) -> str:
@@ -211,6 +217,7 @@ def quantization_config_from(value) -> QuantizationConfig:
         data["checkpoint_format"] = data.get("checkpoint_format") or "gptq"
     known = {f.name for f in fields(cls)}
     kwargs = {k: v for k, v in data.items() if k in known}
+    kwargs.setdefault("packing", None)
     if cls is BitsAndBytesConfig:
         kwargs["extra"] = {k: v for k, v in data.items() if k not in known}  # kept for round trips
     elif method in ("int8", "int4") and kwargs.get("compute_dtype"):

@@ -1,7 +1,9 @@
 """fp8 (e4m3) weights with per-output-channel scales; activations quantized per token at run time.
 
 The matmul runs on fp8 tensor cores through ``torch._scaled_mm``, which needs compute capability
-8.9+ (Ada, Hopper, Blackwell). On anything else loading fails with the alternatives named.
+8.9+ (Ada, Hopper, Blackwell). On anything else loading fails with the alternatives named. One row
+of x (decode at batch 1) is memory bound instead: there a weight-only fp8 GEMV streams the weights
+and keeps x in its dtype (``kernels/quant_gemv.py``), one launch and no activation quantization.
 """
 
 from __future__ import annotations
@@ -64,10 +66,15 @@ class FP8Linear(QuantLinear):
     def dequantize(self, dtype=None):
         return (self.weight.float() * self.weight_scale[:, None]).to(dtype or self.compute_dtype)
 
-    def matmul(self, x):
+    def matmul(self, x, bias=None):
         if not x.is_cuda:
-            return fp8_matmul_reference(x, self.weight, self.weight_scale)
+            y = fp8_matmul_reference(x, self.weight, self.weight_scale)
+            return y if bias is None else y + bias
         m = x.shape[0]
+        if m == 1:
+            from ..kernels.quant_gemv import fp8_gemv
+
+            return fp8_gemv(x, self.weight, self.weight_scale, bias)
         pad = -m % 16  # _scaled_mm wants every dimension a multiple of 16
         xq, xs = quantize_fp8_rows(torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad else x)
         if x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0):
@@ -78,4 +85,5 @@ class FP8Linear(QuantLinear):
             one = torch.ones((), device=x.device, dtype=torch.float32)
             y = torch._scaled_mm(xq, self.weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
             y = (y * xs * self.weight_scale[None, :]).to(x.dtype)
-        return y[:m] if pad else y
+        y = y[:m] if pad else y
+        return y if bias is None else y + bias

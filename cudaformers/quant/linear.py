@@ -18,6 +18,7 @@ from torch import nn
 
 from ..errors import CheckpointError
 from ..kernels.quant_matmul import PackedWeight, dequantize, quant_matmul_reference, quant_matmul_triton
+from .config import PACKING
 
 
 class _DequantMatmul(torch.autograd.Function):
@@ -36,6 +37,8 @@ class _DequantMatmul(torch.autograd.Function):
 
 class QuantLinear(nn.Module):
     method = ""  # "int8", "int4", "nf4", "fp4", "fp8"
+    # The packing a quantized checkpoint was saved with (set from its config); fp8 has only one layout.
+    checkpoint_packing: str | None = PACKING
 
     def __init__(self, in_features: int, out_features: int, bias: bool, compute_dtype: torch.dtype):
         super().__init__()
@@ -63,21 +66,21 @@ class QuantLinear(nn.Module):
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         return dequantize(self.packed(), dtype or self.compute_dtype)
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [M, in]`` in the compute dtype -> ``[M, out]``, no bias."""
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [M, in]`` in the compute dtype -> ``[M, out]`` in that dtype, plus ``bias`` (same dtype)."""
         if x.is_cuda:
-            return quant_matmul_triton(x, self.packed())
-        return quant_matmul_reference(x, self.packed())
+            return quant_matmul_triton(x, self.packed(), bias)
+        return quant_matmul_reference(x, self.packed(), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).to(self.compute_dtype)
-        if torch.is_grad_enabled() and x2.requires_grad:
+        if torch.is_grad_enabled() and (x2.requires_grad or (self.bias is not None and self.bias.requires_grad)):
             y = _DequantMatmul.apply(x2, self)
-        else:
-            y = self.matmul(x2)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
+            if self.bias is not None:
+                y = y + self.bias.to(y.dtype)
+        else:  # inference: the bias is added inside the kernel
+            y = self.matmul(x2, None if self.bias is None else self.bias.to(x2.dtype))
         return y.to(x.dtype).view(*shape[:-1], self.out_features)
 
     @torch.no_grad()
@@ -93,6 +96,10 @@ class QuantLinear(nn.Module):
             self.quantize_(tensor.to(device))
         elif attr in self.packed_shapes():
             self.check_device(device)
+            if self.checkpoint_packing != PACKING and self.method != "fp8":
+                raise CheckpointError(f"this {self.method} checkpoint was saved by an earlier cudaformers whose packed "
+                                      "layout the kernels no longer read (its config.json quantization_config has no "
+                                      f"'packing': {PACKING!r}); quantize the original float checkpoint again")
             self._copy(getattr(self, attr), tensor, attr)
             self.on_packed_loaded(attr)
         else:
