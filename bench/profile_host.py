@@ -72,15 +72,12 @@ def main() -> None:
         tok = torch.zeros(1, dtype=torch.long, device="cuda")
         pos = torch.full((1,), 130, device="cuda")
         ids = torch.randint(1000, 100000, (128,), device="cuda")
-        positions = torch.arange(128, device="cuda")
 
         def decode():
             runner.decode(tok, pos)
 
-        def prefill():
-            batch = runner.prefill_batch([128])
-            hidden = model.model(ids, positions, batch)
-            model.compute_logits(hidden[-1:])
+        def prefill():  # what generate() runs for a prompt when graphs are off
+            runner.prompt([ids])
 
         for fn in (decode, prefill):
             fn()

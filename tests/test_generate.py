@@ -111,3 +111,19 @@ def test_sampling_follows_the_distribution():
     tokens = sample(logits, st, generator=torch.Generator().manual_seed(0))
     freq = torch.bincount(tokens, minlength=3).float() / 20000
     torch.testing.assert_close(freq, probs, atol=0.015, rtol=0)
+
+
+def test_successive_calls_reset_the_loop_state_and_match_transformers():
+    """The decode loop's buffers are kept per (batch, capacity, sampling kind) and reused: a call
+    after others with other eos / pad / min_new_tokens / lengths must still equal transformers."""
+    ours, ref = _models("qwen3")
+    ids = torch.randint(3, 211, (2, 9), generator=torch.Generator().manual_seed(8))
+    probe = ref.generate(ids, max_new_tokens=20, do_sample=False, eos_token_id=None)
+    stop = int(probe[0, 9 + 4])
+    calls = [dict(max_new_tokens=20, eos_token_id=None),
+             dict(max_new_tokens=20, eos_token_id=stop, pad_token_id=7),
+             dict(max_new_tokens=20, eos_token_id=[stop, 5], pad_token_id=1, min_new_tokens=8),
+             dict(max_new_tokens=12, eos_token_id=stop, pad_token_id=2),
+             dict(max_new_tokens=20, eos_token_id=None)]
+    for kw in calls:
+        assert torch.equal(ours.generate(ids, do_sample=False, **kw), ref.generate(ids, do_sample=False, **kw)), kw

@@ -1,7 +1,8 @@
-"""One decode step over a static (contiguous-blocks) KV cache, eager or replayed from a CUDA graph.
+"""Decode steps over a static (contiguous-blocks) KV cache, eager or replayed from CUDA graphs.
 
 Everything a step needs (slots, key lengths) is derived on the device from the positions buffer,
-inside the captured region, so a replay is one launch plus two small copies.
+inside the captured region. generate()'s graphs hold the model step and the sampling that follows
+it (``loop``), so a token costs one replay.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import torch
 
 from ..attention.kv_cache import KVCache
 from ..attention.metadata import AttentionBatch
+from .loop import LoopKind, LoopState, advance
+from .prefill import PromptPass
 
 logger = logging.getLogger("cudaformers")
 
@@ -32,17 +35,12 @@ class DecodeRunner:
         self.tokens = torch.zeros(rows, dtype=torch.long, device=dev)
         self.positions = torch.zeros(rows, dtype=torch.long, device=dev)
         self.cu_q = torch.arange(rows + 1, dtype=torch.int32, device=dev)
-        self.graph = None
+        self.use_cuda_graph = use_cuda_graph
+        self.graph = None  # the model step alone, captured at its first use
         self.logits = None
-        if use_cuda_graph:
-            self._capture()
-
-    def prefill_batch(self, lens: list[int]) -> AttentionBatch:
-        """The batch for the prompts: row r's tokens fill its own blocks from slot r * row_stride."""
-        dev = self.block_table.device
-        row_stride = self.block_table.shape[1] * self.block_size
-        slots = torch.cat([torch.arange(n, device=dev) + r * row_stride for r, n in enumerate(lens)])
-        return AttentionBatch.with_cache(lens, lens, self.cache, slots, self.block_table, dev)
+        self.loops: dict[LoopKind, LoopState] = {}
+        self.loop_graphs: dict[LoopKind, torch.cuda.CUDAGraph] = {}
+        self.prompt = PromptPass(self, use_cuda_graph)  # runner.prompt(rows) -> first logits
 
     def _step(self) -> torch.Tensor:
         pos = self.positions
@@ -57,25 +55,66 @@ class DecodeRunner:
         hidden = self.model.model(self.tokens, pos, batch)
         return self.model.compute_logits(hidden)
 
-    def _capture(self) -> None:
+    def capture(self, body, warmups: int = 2):
+        """A CUDA graph of ``body()`` and its output; eager warm-up runs first (autotuning,
+        allocator, lazy init stay out of the graph)."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up: autotuning, allocator, lazy init stay out of the graph
-                self._step()
+            for _ in range(warmups):
+                body()
         torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.logits = self._step()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = body()
+        return graph, out
+
+    def current_logits(self) -> torch.Tensor:
+        """Logits ``[rows, V]`` for ``self.tokens`` at ``self.positions`` (a replay once captured).
+
+        Capturing here is safe mid-generation: the warm-up runs write the same keys and values at
+        the same positions as the step itself."""
+        if not self.use_cuda_graph:
+            return self._step()
+        if self.graph is None:
+            self.graph, self.logits = self.capture(self._step)
+        self.graph.replay()
+        return self.logits
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Logits ``[rows, V]`` for one new token per row at ``positions``."""
         self.tokens.copy_(tokens)
         self.positions.copy_(positions)
-        if self.graph is None:
-            return self._step()
-        self.graph.replay()
-        return self.logits
+        return self.current_logits()
+
+    def loop(self, kind: LoopKind, generator: torch.Generator | None):
+        """(the loop state for ``kind``, a function running one decode step: model + ``advance``).
+
+        With graphs on and no user generator, model and ``advance`` are one captured graph per kind
+        (captured at the first call, before the prompt is written to the cache: the warm-up steps
+        write position 0). A seeded generator keeps ``advance`` eager: its state is the caller's."""
+        state = self.loops.get(kind)
+        if state is None:
+            state = LoopState(kind, self.rows, self.capacity, self.model.config.vocab_size, self.tokens.device,
+                              tokens=self.tokens, positions=self.positions)
+            self.loops[kind] = state
+
+        def body():
+            logits = self._step()
+            self.positions += 1
+            advance(logits, state)
+
+        if not self.use_cuda_graph or generator is not None:
+            def step():
+                logits = self.current_logits()
+                self.positions += 1
+                advance(logits, state, generator)
+            return state, step
+        if kind not in self.loop_graphs:
+            self.positions.zero_()
+            state.step.zero_()
+            self.loop_graphs[kind], _ = self.capture(body)
+        return state, self.loop_graphs[kind].replay
 
 
 def get_runner(model, rows: int, total_len: int, use_cuda_graph: bool | None) -> DecodeRunner:

@@ -1,9 +1,7 @@
 """``model.generate()``: batched prompts (left-padded like transformers), a static KV cache, decode
-steps replayed from a CUDA graph on GPUs, sampling and stop checks on the device.
+steps and their sampling replayed from one CUDA graph on GPUs (``loop.py``).
 
-Rows run without padding (varlen prefill), so each row's tokens equal what it gets alone. The host
-reads the device only every ``SYNC_EVERY`` steps (to stop early), or each step when a streamer or
-stop strings need the tokens.
+Rows run without padding (varlen prefill), so each row's tokens equal what it gets alone.
 """
 
 from __future__ import annotations
@@ -14,10 +12,11 @@ import torch
 
 from .config import GenerationConfig
 from .decode import get_runner
-from .logits import SamplingTensors, sample
+from .logits import SamplingTensors
+from .prefill import prompt_width
+from .loop import LoopKind, LoopState, advance, close_finished, run_loop
 
 logger = logging.getLogger("cudaformers")
-SYNC_EVERY = 16
 
 
 def resolve_config(model, generation_config, kwargs) -> GenerationConfig:
@@ -96,59 +95,57 @@ def generate(model, input_ids, attention_mask=None, generation_config=None, stre
 
     dev = model.device
     n = len(rows)
-    runner = get_runner(model, n, max(lens) + max_new, use_cuda_graph)
+    runner = get_runner(model, n, max(max(lens) + max_new, prompt_width(lens)), use_cuda_graph)
     st, seen, generator, eos = sampling_state(model, gen, rows, eos_ids)
+    state, step = runner.loop(loop_kind(gen, st, len(eos_ids)), generator)  # may capture: before the prompt's cache
 
-    flat = torch.cat(rows)
-    positions = torch.cat([torch.arange(k, device=dev) for k in lens])
-    batch = runner.prefill_batch(lens)
-    hidden = model.model(flat, positions, batch)
-    logits = model.compute_logits(hidden[batch.cu_seqlens_q[1:].long() - 1])
-
-    pos = torch.tensor(lens, device=dev)
-    generated = decode_loop(logits, lambda tokens, step: runner.decode(tokens, pos + step), gen, st, seen, generator,
-                            eos, pad, max_new, input_ids, streamer, tokenizer)
+    logits = runner.prompt(rows)
+    state.start(st, seen, eos, pad, gen.min_new_tokens, max_new, torch.tensor(lens, device=dev))
+    generated = run_loop(logits, step, state, max_new, generator,
+                         token_callback(state, gen, input_ids, streamer, tokenizer))
+    if streamer is not None:
+        streamer.end()
     return torch.cat([input_ids, generated], dim=1)
+
+
+def loop_kind(gen: GenerationConfig, st: SamplingTensors, num_eos: int) -> LoopKind:
+    return LoopKind.of(st, min_new=bool(gen.min_new_tokens) and num_eos > 0, num_eos=num_eos)
+
+
+def token_callback(state: LoopState, gen: GenerationConfig, input_ids, streamer=None, tokenizer=None):
+    """What runs on the host after each step (streaming, stop strings), or None: then the host only
+    checks for the end every few steps."""
+    if streamer is None and not gen.stop_strings:
+        return None
+    if streamer is not None:
+        streamer.put(input_ids.cpu())
+
+    def on_token(i: int) -> None:
+        if streamer is not None:
+            streamer.put(state.tokens.cpu())
+        if gen.stop_strings:
+            _mark_stop_strings(tokenizer, state.out[:, : i + 1], gen.stop_strings, state.finished)
+            close_finished(state, i + 1)
+    return on_token
 
 
 def decode_loop(logits, step_fn, gen: GenerationConfig, st, seen, generator, eos, pad: int, max_new: int,
                 input_ids, streamer=None, tokenizer=None) -> torch.Tensor:
-    """Samples up to ``max_new`` tokens per row from the first ``logits`` ``[B, V]``; ``step_fn(tokens,
-    step)`` runs the model on them and returns the next logits. Rows that finish are padded. The
-    host reads the device every ``SYNC_EVERY`` steps (each step with a streamer or stop strings).
-    Returns the generated tokens ``[B, <= max_new]``."""
-    n, dev = logits.shape[0], logits.device
-    eos_ids = eos[eos >= 0]
-    out = torch.full((n, max_new), pad, dtype=torch.long, device=dev)
-    finished = torch.zeros(n, dtype=torch.bool, device=dev)
-    ends = torch.full((n,), max_new, dtype=torch.long, device=dev)  # tokens each row produced
-    if streamer is not None:
-        streamer.put(input_ids.cpu())
-    steps = 0
-    for step in range(max_new):
-        if step < gen.min_new_tokens and eos_ids.numel():
-            logits = logits.float().index_fill(1, eos_ids, float("-inf"))
-        tokens = sample(logits, st, seen, generator)
-        tokens = torch.where(finished, torch.full_like(tokens, pad), tokens)
-        out[:, step] = tokens
-        steps = step + 1
-        finished |= torch.isin(tokens, eos)
-        if seen is not None:
-            seen.scatter_(1, tokens[:, None], True)
-        if streamer is not None:
-            streamer.put(tokens.cpu())
-        if gen.stop_strings:
-            _mark_stop_strings(tokenizer, out[:, : step + 1], gen.stop_strings, finished)
-        ends = torch.where(finished & (ends == max_new), step + 1, ends)
-        if step + 1 == max_new:
-            break
-        if (step + 1) % SYNC_EVERY == 0 and bool(finished.all()):
-            break
-        logits = step_fn(tokens, step)
+    """Eager decode loop for models without a ``DecodeRunner`` (recurrent ones): up to ``max_new``
+    tokens per row from the first ``logits [B, V]``; ``step_fn(tokens [B])`` runs the model on the
+    last tokens and returns the next logits. Returns the generated tokens ``[B, <= max_new]``."""
+    rows, vocab = logits.shape
+    state = LoopState(loop_kind(gen, st, int((eos >= 0).sum())), rows, max_new, vocab, logits.device)
+    state.start(st, seen, eos, pad, gen.min_new_tokens, max_new, torch.zeros(rows, dtype=torch.long, device=logits.device))
+
+    def step():
+        advance(step_fn(state.tokens), state, generator)
+
+    generated = run_loop(logits, step, state, max_new, generator,
+                         token_callback(state, gen, input_ids, streamer, tokenizer))
     if streamer is not None:
         streamer.end()
-    # Drop columns past the last row's end (the loop may run a few steps past it between checks).
-    return out[:, : min(int(ends.max()), steps)]
+    return generated
 
 
 def sampling_row(gen: GenerationConfig) -> dict:

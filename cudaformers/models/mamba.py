@@ -225,7 +225,7 @@ def generate_recurrent(model, input_ids, attention_mask=None, generation_config=
     st, seen, generator, eos = sampling_state(model, gen, rows, eos_ids)
     logits, state = model.prefill(rows)
 
-    def step(tokens, _):
+    def step(tokens):
         nonlocal state
         next_logits, state = model.decode(tokens, state)
         return next_logits

@@ -37,6 +37,28 @@ def test_graph_decode_equals_eager(dtype, attn):
     assert "generate cuda graphs" not in model.explain() or "on" in model.explain()
 
 
+@pytest.mark.parametrize("attn", ["sdpa", "triton"])
+def test_graph_loop_reused_across_calls_equals_eager(attn):
+    """The captured loop (model step + sampling + stop rules) is reused by later calls whose eos
+    ids, pad id, min_new_tokens and lengths differ: each call must still equal the eager loop."""
+    model = AutoModelForCausalLM.from_pretrained(tiny.checkpoint("qwen3"), device_map="cuda", attn_implementation=attn)
+    ids = torch.randint(3, 211, (2, 9), device="cuda")
+    probe = model.generate(ids, max_new_tokens=30, do_sample=False, eos_token_id=None, use_cuda_graph=False)
+    stop = int(probe[0, 9 + 5])  # a token row 0 emits early: an eos that ends it mid-run
+    calls = [dict(max_new_tokens=30, eos_token_id=None),
+             dict(max_new_tokens=30, eos_token_id=stop, pad_token_id=7),
+             dict(max_new_tokens=30, eos_token_id=[stop, 5], pad_token_id=1, min_new_tokens=8),
+             dict(max_new_tokens=12, eos_token_id=stop, pad_token_id=2, repetition_penalty=1.3)]
+    longer = torch.randint(3, 211, (2, 21), device="cuda")  # same padded prompt width (64): graphs reused
+    for prompt in (ids, longer):
+        for kw in calls:
+            graph = model.generate(prompt, do_sample=False, use_cuda_graph=True, **kw)
+            eager = model.generate(prompt, do_sample=False, use_cuda_graph=False, **kw)
+            assert torch.equal(graph, eager), kw
+    unseeded = model.generate(ids, do_sample=True, top_k=5, max_new_tokens=16, eos_token_id=None)
+    assert unseeded.shape == (2, 25) and bool((unseeded[:, 9:] < model.config.vocab_size).all())
+
+
 def test_fp32_greedy_equals_transformers_on_gpu():
     folder = tiny.checkpoint("llama")
     ours = AutoModelForCausalLM.from_pretrained(folder, device_map="cuda")
