@@ -144,3 +144,24 @@ def test_rms_norm_per_head_rows_as_in_qk_norm():
     assert ours[0].dtype == torch.float32 and ours[2].dtype == torch.float32
     for name, a, b, c in zip(["y", "dq", "dw"], ours, ref, ref32):
         assert_matches(a, b, c, f"{name} (q_norm)", dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+def test_out_dtype_is_the_reference_rounded_once(residual, out_dtype):
+    """fp32 activations and weight (autocast master weights) with a low-precision output: the norm
+    is the fp32 reference rounded once (within one unit in the last place: the interpreter may round
+    differently from torch); gradients flow back in fp32 as through a cast."""
+    x, w, r, dy = _inputs(37, 96, torch.float32, residual)
+    got = _run(lambda *a: rms_norm(*a, out_dtype=out_dtype), x, w, r, dy, torch.float32)
+
+    def ref(x, w, eps, r=None):
+        out = _ref(x, w, eps, r)
+        return (out[0].to(out_dtype), out[1]) if r is not None else out.to(out_dtype)
+
+    want = _run(ref, x, w, r, dy, torch.float32)
+    assert got[0].dtype == out_dtype
+    ulp = torch.finfo(out_dtype).eps
+    torch.testing.assert_close(got[0].float(), want[0].float(), rtol=ulp, atol=1e-6)
+    for g, e in zip(got[1:], want[1:]):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)

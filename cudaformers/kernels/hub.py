@@ -30,9 +30,15 @@ MODES = ("inference", "training")
 # -- the bundled kernels, as forwards bound onto existing modules ---------------------------------
 
 def _rms_norm(self, x, residual=None):
+    import torch
+
     from .rms_norm import rms_norm
 
-    return rms_norm(x, self.weight, self.variance_epsilon, residual)
+    # Under autocast every consumer of a norm (projections, attention) casts it to the autocast
+    # dtype: the kernel writes that dtype directly instead of fp32 (fp32 master weights) plus casts.
+    dev = x.device.type
+    out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+    return rms_norm(x, self.weight, self.variance_epsilon, residual, out_dtype)
 
 
 def _rotary(self, q, k, cos, sin, q_norm=None, k_norm=None):

@@ -133,14 +133,16 @@ def _rows(x: torch.Tensor, inner: int) -> torch.Tensor:
     return x.contiguous().view(-1, inner, x.shape[-1])
 
 
-def rms_norm_forward(x, weight, eps, residual=None, pdl: bool = False):
+def rms_norm_forward(x, weight, eps, residual=None, pdl: bool = False, out_dtype=None):
     """x ``[..., H]`` -> ``(y, s, rstd)``; ``s`` is ``x + residual`` (or ``x``), rstd ``[rows]`` fp32.
-    ``pdl``: launch as part of a programmatic-dependent chain (inference only; see ``pdl.py``)."""
+    ``pdl``: launch as part of a programmatic-dependent chain (inference only; see ``pdl.py``).
+    ``out_dtype``: y's dtype (default: x's promoted with the weight's)."""
     shape = x.shape
     n_cols = shape[-1]
     n_rows = x.numel() // n_cols if n_cols else 0
+    out_dtype = out_dtype or torch.promote_types(x.dtype, weight.dtype)
     if n_rows == 0:
-        y = torch.empty(shape, device=x.device, dtype=torch.promote_types(x.dtype, weight.dtype))
+        y = torch.empty(shape, device=x.device, dtype=out_dtype)
         s = x if residual is None else x + residual
         return y, s, torch.empty(0, device=x.device, dtype=torch.float32)
     inner = shape[-2] if x.dim() >= 2 else 1
@@ -149,7 +151,7 @@ def rms_norm_forward(x, weight, eps, residual=None, pdl: bool = False):
     # Like ``weight * h.to(dtype)``: an fp32 weight (autocast master weights) gives an fp32 output.
     # Outputs are allocated in the caller's shape, not as views: callers modify them in place (rotary
     # on a normed q), which autograd forbids on views created inside a Function.
-    y = torch.empty(shape, device=x.device, dtype=torch.promote_types(x.dtype, weight.dtype))
+    y = torch.empty(shape, device=x.device, dtype=out_dtype)
     s = torch.empty(shape, device=x.device, dtype=x.dtype) if r3 is not None else x
     rstd = torch.empty(n_rows, device=x.device, dtype=torch.float32)
     block_r, block_n, warps = _tile(n_rows, n_cols, x.device)
@@ -188,8 +190,8 @@ def rms_norm_backward(dy, ds, s, weight, rstd):
 
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, eps, residual):
-        y, s, rstd = rms_norm_forward(x, weight, eps, residual)
+    def forward(ctx, x, weight, eps, residual, out_dtype):
+        y, s, rstd = rms_norm_forward(x, weight, eps, residual, out_dtype=out_dtype)
         ctx.save_for_backward(s, weight, rstd)
         ctx.has_residual = residual is not None
         if residual is None:
@@ -200,15 +202,16 @@ class _RMSNorm(torch.autograd.Function):
     def backward(ctx, dy, ds=None):
         s, weight, rstd = ctx.saved_tensors
         dx, dw = rms_norm_backward(dy, ds, s, weight, rstd)
-        return dx, dw, None, (dx if ctx.has_residual else None)
+        return dx, dw, None, (dx if ctx.has_residual else None), None
 
 
-def rms_norm(x, weight, eps: float, residual=None):
-    """``norm(x)``, or with ``residual``: ``(norm(x + residual), x + residual)``."""
+def rms_norm(x, weight, eps: float, residual=None, out_dtype=None):
+    """``norm(x)``, or with ``residual``: ``(norm(x + residual), x + residual)``; the norm in
+    ``out_dtype`` when given (under autocast: the dtype its consumers would cast it to anyway)."""
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                     or (residual is not None and residual.requires_grad)):
-        return _RMSNorm.apply(x, weight, eps, residual)
-    y, s, _ = rms_norm_forward(x, weight, eps, residual, pdl=pdl_enabled(x.device))
+        return _RMSNorm.apply(x, weight, eps, residual, out_dtype)
+    y, s, _ = rms_norm_forward(x, weight, eps, residual, pdl=pdl_enabled(x.device), out_dtype=out_dtype)
     return y if residual is None else (y, s)
 
 
