@@ -1,11 +1,13 @@
 """Quantized inference and QLoRA on one GPU: kernels, W1/W2 decode per method, and a QLoRA step.
 
-    python bench/quant.py [--parts kernels,decode,qlora] [--shapes qwen3-0.6b,qwen3-8b]
+    python bench/quant.py [--parts kernels,tiles,decode,qlora] [--shapes qwen3-0.6b,qwen3-8b]
                           [--methods bf16,int8,int4,nf4,fp8] [--json out.jsonl]
 
-kernels: the dequantize-matmul on qwen3-8b layer shapes at M = 1, 16, 256 against the bf16 cuBLAS
-matmul (CUDA-graph replays, so launch overhead is not measured), with the packed bytes streamed per
-second as a share of the measured copy bandwidth. decode: W1/W2 (generate, batch 1, 128-token prompt,
+kernels: the quantized matmul of each qwen3-8b decode layer shape (q/k/v and gate/up packed) at
+M = 1 and 16 against the bf16 path of use_kernels (GEMV / skinny GEMM): microseconds per call from
+CUDA-graph replays cycling through weight copies larger than L2, GB/s of weight bytes (packed +
+scales) and their share of the measured copy bandwidth. tiles: the M = 1 quantized GEMV at each
+BLOCK_N (the default marked), to tune ``quant_gemv.gemv_tiles``. decode: W1/W2 (generate, batch 1, 128-token prompt,
 256 new tokens, greedy; triton attention and use_kernels=True for every method, bf16 too) per method
 on the same saved random weights, with peak memory. qlora: one NF4 + LoRA (r 16, all linear layers)
 training step on qwen3-8b shapes at batch 1 x 2048 with gradient checkpointing: peak memory (goal <= 12 GiB) and step time. Each case runs in its own
@@ -45,41 +47,113 @@ def _free():
     torch.cuda.reset_peak_memory_stats()
 
 
-def bench_kernels(methods, bw, env, json_path) -> list[dict]:
+def _bf16_layer(linear):
+    """The bf16 path of use_kernels: the GEMV up to 4 rows, the skinny GEMM for 5-16, cuBLAS above."""
+    from cudaformers.kernels.gemv import linear as gemv_linear
+    from cudaformers.kernels.skinny_gemm import skinny_applies, skinny_linear
+
+    def run(x):
+        if skinny_applies(linear.weight, x):
+            return skinny_linear(x, linear.weight, None)
+        return gemv_linear(x, linear.weight, None)
+    return run
+
+
+def _copies(layer, nbytes: int) -> list:
+    """Enough copies of ``layer`` that cycling through them overflows L2 (every call reads HBM)."""
+    import copy
+
+    return [layer] + [copy.deepcopy(layer) for _ in range(max(0, -(-256 * 2 ** 20 // nbytes) - 1))]
+
+
+def _layer_bytes(layer) -> int:
+    return sum(p.numel() * p.element_size() for p in layer.parameters())
+
+
+# qwen3-8b decoder shapes with q/k/v and gate/up packed, as decode runs them
+KERNEL_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
+
+
+def bench_kernels(methods, bw, env, json_path, ms=(1, 16)) -> list[dict]:
+    """Per layer shape, method and M: microseconds per call (CUDA graph, weights cycled past L2), the
+    weight bytes (packed + scales) streamed per second and the speedup over the bf16 path."""
     from cudaformers.quant.apply import quantize
 
     rows = []
-    shapes = {"qkv-q/o": (4096, 4096), "k/v": (1024, 4096), "gate/up": (12288, 4096), "down": (4096, 12288)}
-    for label, (n, k) in shapes.items():
+    for label, (n, k) in KERNEL_SHAPES.items():
         linear = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
         torch.nn.init.normal_(linear.weight, std=0.02)
-        for m in (1, 16, 256):
+        layers = {}
+        for method in methods:
+            try:
+                if method == "bf16":
+                    layers[method] = linear
+                else:
+                    holder = torch.nn.Sequential(torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16))
+                    holder[0].weight.data.copy_(linear.weight)
+                    layers[method] = quantize(holder, method_config(method))[0]
+            except Exception as e:  # noqa: BLE001 - report and go on
+                print(f"kernel {label} {method}: quantize FAILED {type(e).__name__}: {e}")
+        for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            with torch.no_grad():
+                expected = linear(x).float()
             base = None
-            for method in methods:
+            for method, layer in layers.items():
                 try:
-                    if method == "bf16":
-                        layer = linear
-                    else:
-                        holder = torch.nn.Sequential(torch.nn.Linear(k, n, bias=False, device="cuda",
-                                                                     dtype=torch.bfloat16))
-                        holder[0].weight.data.copy_(linear.weight)
-                        layer = quantize(holder, method_config(method))[0]
+                    nbytes = _layer_bytes(layer)
+                    copies = _copies(layer, nbytes)
+                    fns = [(_bf16_layer(c) if method == "bf16" else c) for c in copies]
                     with torch.no_grad():
-                        seconds = graph_us(lambda: layer(x)) / 1e6
-                        err = ((layer(x).float() - linear(x).float()).norm() / linear(x).float().norm()).item()
-                    nbytes = sum(p.numel() * p.element_size() for p in layer.parameters())
+                        seconds = graph_us([lambda f=f: f(x) for f in fns]) / 1e6
+                        err = ((fns[0](x).float() - expected).norm() / expected.norm()).item()
                     base = seconds if method == "bf16" else base
                     rec = dict(part="kernel", layer=label, n=n, k=k, m=m, method=method, us=round(seconds * 1e6, 2),
                                speedup_vs_bf16=None if base is None else round(base / seconds, 2),
-                               bw_share=round(nbytes / seconds / bw, 3), rel_err=round(err, 4), **env)
+                               gb_s=round(nbytes / seconds / 1e9, 1), bw_share=round(nbytes / seconds / bw, 3),
+                               rel_err=round(err, 4), **env)
                     emit(rec, json_path)
                     rows.append(rec)
-                except Exception as e:  # noqa: BLE001 - report and go on
+                    del copies, fns
+                except Exception as e:  # noqa: BLE001
                     print(f"kernel {label} m={m} {method}: FAILED {type(e).__name__}: {e}")
                     traceback.print_exc(limit=3)
-                finally:
-                    _free()
+        del layers
+        _free()
+    return rows
+
+
+def bench_gemv_tiles(methods, bw, env, json_path) -> list[dict]:
+    """M = 1 quantized GEMV over its tile choices (BLOCK_N; the default marked), for tuning gemv_tiles."""
+    from cudaformers.kernels.quant_gemv import gemv_tiles, quant_gemv
+    from cudaformers.quant.apply import quantize
+
+    rows = []
+    for method in [m for m in methods if m in ("int8", "int4", "nf4")]:
+        for label, (n, k) in KERNEL_SHAPES.items():
+            try:
+                holder = torch.nn.Sequential(torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16))
+                torch.nn.init.normal_(holder[0].weight, std=0.02)
+                layer = quantize(holder, method_config(method))[0]
+                w = layer.packed()
+                nbytes = _layer_bytes(layer)
+                copies = [c.packed() for c in _copies(layer, nbytes)]
+                x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+                n_blocks = w.qweight.shape[1] * 8 // w.bits // w.block
+                default = gemv_tiles(n, n_blocks, w.block * w.bits // 32, x.device)
+                for block_n in (1, 2, 4, 8, 16):
+                    tiles = (block_n, *default[1:])
+                    seconds = graph_us([lambda c=c: quant_gemv(x, c, tiles=tiles) for c in copies]) / 1e6
+                    rec = dict(part="gemv_tiles", layer=label, method=method, block_n=block_n,
+                               default=tiles == default, us=round(seconds * 1e6, 2),
+                               bw_share=round(nbytes / seconds / bw, 3), **env)
+                    emit(rec, json_path)
+                    rows.append(rec)
+                del copies
+            except Exception as e:  # noqa: BLE001
+                print(f"gemv tiles {label} {method}: FAILED {type(e).__name__}: {e}")
+                traceback.print_exc(limit=3)
+            _free()
     return rows
 
 
@@ -167,15 +241,21 @@ def main() -> None:
     print(f"{env['gpu']}: copy {bw / 1e12:.2f} TB/s; torch {env['torch']}, triton {env['triton']}, commit {env['commit']}")
     parts = args.parts.split(",")
     kernels = bench_kernels(methods, bw, env, args.json) if "kernels" in parts else []
+    tiles = bench_gemv_tiles(methods, bw, env, args.json) if "tiles" in parts else []
     decode = [r for s in args.shapes.split(",") for r in bench_decode(s, methods, bw, env, args.json)] \
         if "decode" in parts else []
     qlora = bench_qlora(env, args.json) if "qlora" in parts else []
 
     if kernels:
-        print(f"\n{'layer':8} {'m':>4} {'method':7} {'us':>8} {'x bf16':>7} {'bw%':>5} {'rel err':>8}")
+        print(f"\n{'layer':8} {'m':>4} {'method':7} {'us':>8} {'x bf16':>7} {'GB/s':>7} {'bw%':>5} {'rel err':>8}")
         for r in kernels:
             print(f"{r['layer']:8} {r['m']:>4} {r['method']:7} {r['us']:>8} {str(r['speedup_vs_bf16']):>7} "
-                  f"{100 * r['bw_share']:>5.0f} {r['rel_err']:>8}")
+                  f"{r['gb_s']:>7} {100 * r['bw_share']:>5.0f} {r['rel_err']:>8}")
+    if tiles:
+        print(f"\n{'method':7} {'layer':8} " + " ".join(f"{'BN=' + str(b):>9}" for b in (1, 2, 4, 8, 16)) + "   (us, * default)")
+        for key in dict.fromkeys((r["method"], r["layer"]) for r in tiles):
+            cells = [f"{r['us']:>8}{'*' if r['default'] else ' '}" for r in tiles if (r["method"], r["layer"]) == key]
+            print(f"{key[0]:7} {key[1]:8} " + " ".join(cells))
     if decode:
         print(f"\n{'shape':11} {'method':7} {'tok/s':>8} {'x bf16':>7} {'bw%':>5} {'weights GiB':>11} {'peak GiB':>9}")
         for r in decode:

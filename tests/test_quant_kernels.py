@@ -18,6 +18,7 @@ if not torch.cuda.is_available():  # interpret the kernels on CPU; set before tr
         importlib.reload(sys.modules["cudaformers.kernels.quant_matmul"])
 
 import pytest  # noqa: E402
+import triton  # noqa: E402
 
 from cudaformers.kernels import quant_matmul as qm  # noqa: E402
 from cudaformers.quant.int4 import quantize_int4  # noqa: E402
@@ -166,3 +167,136 @@ def test_double_quantization_keeps_absmax_close():
                         offset=float(offset))
     rebuilt = qm.group_scales(w)
     assert (rebuilt - absmax).abs().max().item() <= s2.max().item() / 2 + 1e-6
+
+
+# -- the M = 1 GEMV (quant_gemv.py) over its tilings, and the fp8 GEMV --------------------------------
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("tiles", [(1, 1, 1), (2, 2, 1), (8, 4, 2)], ids=str)
+@pytest.mark.parametrize("k", [320, 512], ids=lambda k: f"k{k}")  # 320: masked tail; 512: whole steps
+def test_gemv_tilings_with_bias(fmt, tiles, k):
+    """Several K steps per program (the loop after the first, pre-wait tile), 1-8 rows a program."""
+    from cudaformers.kernels.quant_gemv import quant_gemv
+
+    g = torch.Generator().manual_seed(k + tiles[0])
+    w = packed(fmt, torch.randn(29, k, generator=g))
+    x, bias = torch.randn(1, k, generator=g).to(torch.bfloat16), torch.randn(29, generator=g).to(torch.bfloat16)
+    out = quant_gemv(x, w, bias, tiles=tiles)
+    assert out.dtype == torch.bfloat16
+    ref32 = qm.quant_matmul_reference(x.float(), w, bias.float())
+    ref_lp = qm.quant_matmul_reference(x, w, bias).float()
+    bound = 2 * (ref_lp - ref32).abs().max().item() + 2 * torch.finfo(torch.bfloat16).eps * ref32.abs().max().item()
+    assert (out.float() - ref32).abs().max().item() <= bound
+
+
+def test_gemv_handles_large_and_zero_activations():
+    """The activations are pre-scaled by up to 2**85 inside the kernel: large, tiny and zero inputs stay exact."""
+    w = packed("int4_sym", torch.randn(16, 256, generator=torch.Generator().manual_seed(11)))
+    x = torch.tensor([[3e4, -1e-30, 0.0, 1.0] * 64])
+    torch.testing.assert_close(qm.quant_matmul_triton(x, w), qm.quant_matmul_reference(x, w), rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("nk", [(37, 200), (64, 4096), (8, 2500)], ids=str)
+def test_fp8_gemv_matches_weight_only_reference(nk, dtype):
+    from cudaformers.kernels.quant_gemv import fp8_gemv
+    from cudaformers.quant.fp8 import quantize_fp8_rows
+
+    n, k = nk
+    g = torch.Generator().manual_seed(n + k)
+    q, s = quantize_fp8_rows(torch.randn(n, k, generator=g))
+    x, bias = torch.randn(1, k, generator=g).to(dtype), torch.randn(n, generator=g).to(dtype)
+    out = fp8_gemv(x, q, s[:, 0].contiguous(), bias)
+    ref = x.float() @ (q.float() * s).t() + bias.float()
+    tol = 1e-5 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps
+    assert out.dtype == dtype and (out.float() - ref).abs().max().item() <= tol * ref.abs().max().item() + 1e-6
+
+
+# -- what the GPU compiler makes of the GEMV (sm90 PTX, compiled here without a GPU) ------------------
+def _gemv_ptx() -> dict:
+    """In a subprocess (compiled Triton, not the interpreter): each format's GEMV as launched for a
+    qwen3-8b layer, compiled for sm90; returns its global loads/stores and grid-dependency events."""
+    import json
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": root}
+    done = subprocess.run([sys.executable, "-c", "from tests.test_quant_kernels import _probe_gemv; _probe_gemv()"],
+                          env=env, capture_output=True, text=True, timeout=600, cwd=root)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _probe_gemv() -> None:
+    import json
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from cudaformers.kernels import quant_gemv as qg
+
+    types = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32",
+             torch.int8: "*i8", torch.uint8: "*u8"}
+    qg.pdl_enabled = lambda device: True  # the CPU tensors stand in for a Hopper GPU
+    w = torch.randn(64, 4096) * 0.02
+    x = torch.randn(1, 4096, dtype=torch.bfloat16)
+    out = {}
+    for fmt in ("int8", "int4_sym", "int4_asym", "nf4", "fp4_dq", "fp8"):
+        launches = []
+        name = "_fp8_gemv_kernel" if fmt == "fp8" else "_gemv_kernel"
+        kernel = getattr(qg, name)
+        setattr(qg, name, type("Recorder", (), {"__getitem__": lambda self, grid: lambda *a, **kw: launches.append(
+            (a, kw))})())
+        try:
+            if fmt == "fp8":
+                qg.fp8_gemv(x, w.to(torch.float8_e4m3fn), torch.ones(64))
+            else:
+                qg.quant_gemv(x, packed(fmt, w))
+        finally:
+            setattr(qg, name, kernel)
+        (args, kwargs), = launches
+        names = [p.name for p in kernel.params]
+        values = {**dict(zip(names, args)), **{k: v for k, v in kwargs.items() if k in names}}
+        signature, constexprs, attrs = {}, {}, {}
+        for i, p in enumerate(kernel.params):
+            v = values[p.name]
+            if p.is_constexpr:
+                signature[p.name], constexprs[p.name] = "constexpr", v
+                continue
+            signature[p.name] = types[v.dtype] if isinstance(v, torch.Tensor) else ("fp32" if isinstance(v, float)
+                                                                                     else "i32")
+            if isinstance(v, torch.Tensor) or (isinstance(v, int) and v % 16 == 0):
+                attrs[(i,)] = [["tt.divisibility", 16]]  # what Triton's launcher specializes on
+        options = {k: v for k, v in kwargs.items() if k not in names}
+        ptx = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                             options=options).asm["ptx"]
+        events = []
+        for line in ptx.splitlines():
+            op = line.strip().lstrip("@!%p0123456789 ").split(" ")[0].rstrip(";")
+            if op.startswith(("griddepcontrol.", "ld.global", "st.global", "atom.global", "red.global")):
+                events.append(op)
+        out[fmt] = {"events": events, "launch_pdl": kwargs.get("launch_pdl")}
+    print(json.dumps(out))
+
+
+@pytest.fixture(scope="module")
+def gemv_ptx():
+    return _gemv_ptx()
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4_sym", "int4_asym", "nf4", "fp4_dq", "fp8"])
+def test_gemv_compiles_to_one_pdl_launch_with_vector_weight_loads(gemv_ptx, fmt):
+    """PDL contract (kernels/pdl.py) and the streaming loads: before the wait only loads of the weights
+    (16-byte words, scales), no stores and no x (a lane's 4 bf16 activations of one plane are one 8-byte
+    load; fp8 reads x 16 bytes at a time, like its weights, so there the order is all this checks); one
+    release right after the wait; 16-byte weight loads; no atomics."""
+    events, launch_pdl = gemv_ptx[fmt]["events"], gemv_ptx[fmt]["launch_pdl"]
+    assert launch_pdl is True
+    wait = events.index("griddepcontrol.wait")
+    before, after = events[:wait], events[wait:]
+    assert before and all(e.startswith("ld.global") for e in before), before
+    assert "ld.global.v4.b32" in before, f"{fmt}: the first weight tile is not requested before the wait: {before}"
+    assert not [e for e in before if e in ("ld.global.v2.b32", "ld.global.b64")], f"{fmt}: x loaded before the wait"
+    assert events.count("griddepcontrol.wait") == 1 and events.count("griddepcontrol.launch_dependents") == 1
+    assert after[1] == "griddepcontrol.launch_dependents"
+    assert not [e for e in events if e.startswith(("atom", "red"))], "no atomics: one launch, deterministic"
+    assert [e for e in after if e.startswith("st.global")], "the output is stored after the wait"

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from cudaformers import AutoModelForCausalLM, BitsAndBytesConfig, FP8Config, Int4Config, Int8Config
-from cudaformers.errors import UnsupportedError
+from cudaformers.errors import CheckpointError, UnsupportedError
 from cudaformers.quant.linear import QuantLinear
 from tests import tiny
 
@@ -201,3 +201,49 @@ def test_gptq_act_order_is_refused():
     with pytest.raises(UnsupportedError, match="desc_act"):
         AutoModelForCausalLM.from_pretrained(tiny.checkpoint("llama"), quantization_config={
             "quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": True})
+
+
+# -- packed q/k/v and gate/up of quantized models ---------------------------------------------------------
+@pytest.mark.parametrize("name", ["int8", "int4_asym", "nf4"])
+def test_packed_quantized_projections_are_exact(name, folder):
+    """The stacked quantized q/k/v and gate/up give bit-identical logits and greedy tokens to the separate
+    layers (rows quantize independently), and share their storage (no second copy)."""
+    from cudaformers.kernels.fused_projections import unpack_projections
+    from cudaformers.quant.packing import PackedQuantLinear
+
+    model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=CONFIGS[name]())
+    attn = model.model.layers[0].self_attn
+    assert isinstance(attn.packed_qkv, PackedQuantLinear) and "packed" in model.explain()
+    assert attn.k_proj.weight.data_ptr() == attn.packed_qkv.layer.weight.data_ptr() + \
+        attn.q_proj.weight.numel() * attn.q_proj.weight.element_size()
+    packed_logits = _logits(model)
+    packed_tokens = model.generate(IDS[:1], max_new_tokens=6, do_sample=False)
+    assert unpack_projections(model) == 4
+    torch.testing.assert_close(_logits(model), packed_logits, atol=0, rtol=0)
+    assert torch.equal(model.generate(IDS[:1], max_new_tokens=6, do_sample=False), packed_tokens)
+
+
+def test_double_quantized_nf4_is_not_packed(folder):
+    model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=CONFIGS["fp4_dq"]())
+    assert not hasattr(model.model.layers[0].self_attn, "packed_qkv")
+
+
+def test_quantizing_a_loaded_model_repacks_its_projections(folder):
+    from cudaformers.kernels.fused_projections import PackedLinear
+    from cudaformers.quant.apply import quantize
+    from cudaformers.quant.packing import PackedQuantLinear
+
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    assert isinstance(model.model.layers[0].mlp.packed_gate_up, PackedLinear)
+    quantize(model, Int8Config())
+    assert isinstance(model.model.layers[0].mlp.packed_gate_up, PackedQuantLinear)  # the float copy is gone
+
+
+def test_checkpoint_with_the_old_packing_is_refused(folder, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=Int4Config(group_size=32))
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["quantization_config"]["packing"]  # as written before the plane layout
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="earlier cudaformers"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)

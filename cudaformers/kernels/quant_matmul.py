@@ -158,9 +158,9 @@ def _block_scales(s_ptr, z_ptr, s2_ptr, offset, rows, blk, n_blocks, N, FMT: tl.
 
 
 @triton.jit
-def _dequant_block(q_ptr, s_ptr, z_ptr, code_ptr, s2_ptr, offset, rows, blk, n_blocks, ld_q, N,
-                   FMT: tl.constexpr, BLOCK: tl.constexpr, HAS_ZEROS: tl.constexpr, DOUBLE: tl.constexpr):
-    """Block ``blk`` of rows ``rows`` as fp32 ``[BLOCK_N, BLOCK]`` in element order (int8: unscaled)."""
+def _block_codes(q_ptr, code_ptr, rows, blk, ld_q, N, FMT: tl.constexpr, BLOCK: tl.constexpr):
+    """Block ``blk`` of rows ``rows`` as unscaled values ``[BLOCK_N, BLOCK]`` in element order: the
+    signed int8 codes, the int4 codes 0..15 or the NF4/FP4 code values (all exact in fp32)."""
     BITS: tl.constexpr = 8 if FMT == 0 else 4
     PER: tl.constexpr = 32 // BITS
     W: tl.constexpr = BLOCK // PER
@@ -171,11 +171,9 @@ def _dequant_block(q_ptr, s_ptr, z_ptr, code_ptr, s2_ptr, offset, rows, blk, n_b
     if FMT == 0:  # flipping the sign bit of a two's complement byte gives q + 128, in [0, 255]
         vals = _small_int_to_f32(codes ^ 128) - 8388736.0
     elif FMT == 2:
-        s, _ = _block_scales(s_ptr, z_ptr, s2_ptr, offset, rows, blk, n_blocks, N, FMT, HAS_ZEROS, DOUBLE)
-        vals = tl.load(code_ptr + codes) * s[:, None, None]
+        vals = tl.load(code_ptr + codes)
     else:
-        s, z = _block_scales(s_ptr, z_ptr, s2_ptr, offset, rows, blk, n_blocks, N, FMT, HAS_ZEROS, DOUBLE)
-        vals = (_small_int_to_f32(codes) - (8388608.0 + z[:, None, None])) * s[:, None, None]
+        vals = _small_int_to_f32(codes) - 8388608.0
     return tl.reshape(vals, (rows.shape[0], BLOCK))
 
 
@@ -211,9 +209,15 @@ def _gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, code_ptr, s2_ptr, offset, b_ptr, ou
     for blk in range(0, n_blocks):
         k = blk * BLOCK + cols
         xt = tl.load(x_rows + k[None, :], mask=mask_m[:, None] & (k[None, :] < K), other=0)
-        w = _dequant_block(q_ptr, s_ptr, z_ptr, code_ptr, s2_ptr, offset, rows, blk, n_blocks, ld_q, N, FMT, BLOCK,
-                           HAS_ZEROS, DOUBLE)
-        acc += _dot(xt, tl.trans(w.to(dt)), UPCAST)
+        w = _block_codes(q_ptr, code_ptr, rows, blk, ld_q, N, FMT, BLOCK)
+        part = _dot(xt, tl.trans(w.to(dt)), UPCAST)  # integer codes are exact in x's dtype
+        if FMT == 0:
+            acc += part
+        else:  # the block's scale (and zero point: z * sum(x)) apply to the [BLOCK_M, BLOCK_N] tile
+            s, z = _block_scales(s_ptr, z_ptr, s2_ptr, offset, rows, blk, n_blocks, N, FMT, HAS_ZEROS, DOUBLE)
+            if FMT == 1:
+                part -= tl.sum(xt.to(tl.float32), axis=1)[:, None] * z[None, :]
+            acc += part * s[None, :]
     if FMT == 0:
         acc *= tl.load(s_ptr + rows, mask=rows < N, other=0)[None, :]
     if HAS_BIAS:
