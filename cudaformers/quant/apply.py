@@ -120,7 +120,8 @@ def _kernel_summary(layers: list[QuantLinear]) -> str:
     where = []
     for dev in devices:
         if dev.startswith("cuda"):
-            kind = "torch._scaled_mm (fp8 tensor cores)" if layers[0].method == "fp8" else "Triton dequantize-matmul"
+            kind = ("fp8 weight-only Triton GEMV at batch 1, torch._scaled_mm (fp8 tensor cores) above"
+                    if layers[0].method == "fp8" else "Triton dequantize-matmul (one-launch GEMV at batch 1)")
             where.append(f"{kind} on {dev}")
         else:
             where.append(f"PyTorch reference (dequantize, then matmul) on {dev}: correct but slow; use a CUDA GPU "
