@@ -146,7 +146,8 @@ def real_engine(args):
     from cudaformers.engine.llm_engine import LLMEngine
 
     model = AutoModelForCausalLM.from_pretrained(random_checkpoint("qwen3-0.6b"), dtype=torch.bfloat16,
-                                                 device_map="cuda", attn_implementation=args.attn)
+                                                 device_map="cuda", attn_implementation=args.attn,
+                                                 use_kernels=not args.plain_layers)
     start = time.perf_counter()
     engine = LLMEngine(model)
     print(f"engine start (cache sizing, graph capture, warm-up): {time.perf_counter() - start:.1f} s")
@@ -223,6 +224,7 @@ def main(argv=None) -> int:
     ap.add_argument("--attn", default="triton")
     ap.add_argument("--fake", action="store_true", help="stub model: the engine's host cost only")
     ap.add_argument("--kernels", action="store_true", help="also profile the kernels of a mixed and a decode step")
+    ap.add_argument("--plain-layers", action="store_true", help="load without use_kernels")
     ap.add_argument("--csv", default=None, help="write one line per step to this file")
     args = ap.parse_args(argv)
 

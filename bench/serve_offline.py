@@ -57,12 +57,12 @@ def run_hf(folder, inputs) -> dict:
     return dict(seconds=seconds, tokens=tokens, peak_gib=peak, setting="generate_batch, default settings")
 
 
-def run_ours(folder, inputs, attn: str, **engine_kw) -> dict:
+def run_ours(folder, inputs, attn: str, kernels: bool, **engine_kw) -> dict:
     from cudaformers import AutoModelForCausalLM, GenerationConfig
     from cudaformers.engine.continuous_batching import destroy_cached_engine, generate_batch
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, device_map="cuda",
-                                                 attn_implementation=attn)
+                                                 attn_implementation=attn, use_kernels=kernels)
     gen = GenerationConfig(max_new_tokens=NEW, do_sample=False, eos_token_id=None)
     t0 = time.perf_counter()
     generate_batch(model, requests(8, seed=1), gen, max_new_tokens=8, persistent_manager=True, **engine_kw)
@@ -77,7 +77,7 @@ def run_ours(folder, inputs, attn: str, **engine_kw) -> dict:
     stats = engine.stats()
     tokens = {int(k.split("_")[-1]): v.generated_tokens for k, v in out.items()}
     peak = torch.cuda.max_memory_allocated() / 2**30
-    setting = (f"attn={attn}, graphs={'on' if engine.runner.graphs else 'off'}, "
+    setting = (f"attn={attn}, kernels={'on' if kernels else 'off'}, graphs={'on' if engine.runner.graphs else 'off'}, "
                f"async={'on' if engine.use_async_batching else 'off'}, blocks={stats['num_blocks']}")
     destroy_cached_engine(model)
     del model, engine, out
@@ -90,6 +90,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--attn", default="triton")
+    ap.add_argument("--kernels", default="on", choices=("on", "off"), help="use_kernels for our model")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--ablate", action="store_true", help="also time ours without graphs / without async")
     ap.add_argument("--json", default=None, help="append the JSON record to this file")
@@ -98,10 +99,11 @@ def main(argv=None) -> int:
     inputs = requests(args.requests)
     folder = random_checkpoint("qwen3-0.6b")
     rows = {}
-    rows["cudaformers"] = run_ours(folder, inputs, args.attn)
+    kernels = args.kernels == "on"
+    rows["cudaformers"] = run_ours(folder, inputs, args.attn, kernels)
     if args.ablate:
-        rows["cudaformers, no graphs"] = run_ours(folder, inputs, args.attn, use_cuda_graph=False)
-        rows["cudaformers, no async"] = run_ours(folder, inputs, args.attn, use_async_batching=False)
+        rows["cudaformers, no graphs"] = run_ours(folder, inputs, args.attn, kernels, use_cuda_graph=False)
+        rows["cudaformers, no async"] = run_ours(folder, inputs, args.attn, kernels, use_async_batching=False)
     if not args.skip_hf:
         rows["transformers"] = run_hf(folder, inputs)
 

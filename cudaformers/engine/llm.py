@@ -62,6 +62,10 @@ class LLM:
             if tokenizer is None:
                 tokenizer = AutoTokenizer.from_pretrained(model)
             attn_implementation = attn_implementation or engine_attention(torch.device(device))
+            if "use_kernels" not in load_kwargs and "kernel_config" not in load_kwargs:
+                load_kwargs["use_kernels"] = torch.device(device).type == "cuda"
+                logger.info("LLM: use_kernels=%s (automatic on %s; pass use_kernels= to choose)",
+                            load_kwargs["use_kernels"], device)
             model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, device_map=device,
                                                          attn_implementation=attn_implementation, **load_kwargs)
         elif load_kwargs or device is not None or attn_implementation is not None or dtype != "auto":

@@ -82,6 +82,8 @@ def make_server(state, host: str = "127.0.0.1", port: int = 8000, log_level: str
 
 # -- CLI --------------------------------------------------------------------------------------------
 def add_arguments(parser) -> None:
+    from ..generation.cli import add_kernels_argument
+
     parser.add_argument("model", nargs="?", default=None,
                         help="model folder, .gguf file or Hub repo id (default: the embedded SmolLM2)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
@@ -99,6 +101,7 @@ def add_arguments(parser) -> None:
     g.add_argument("--device-map", default=None, help="cpu, cuda or cuda:N (default: the GPU when one is visible)")
     g.add_argument("--attn", default=None, help="attention backend (triton, sdpa, eager, flash_attention_2...)")
     g.add_argument("--gguf-file", default=None, help="GGUF file inside MODEL's folder")
+    add_kernels_argument(g)
     g = parser.add_argument_group("engine")
     g.add_argument("--max-batch-tokens", type=int, default=8192, help="tokens per step (prefill chunks + decodes)")
     g.add_argument("--max-num-seqs", type=int, default=256, help="requests in the running batch")

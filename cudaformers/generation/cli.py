@@ -15,6 +15,7 @@ def add_model_arguments(parser) -> None:
     parser.add_argument("--device-map", default=None, help="cpu, cuda, cuda:N or auto (default: the GPU when one "
                         "is visible, else the CPU)")
     parser.add_argument("--attn", default=None, help="attention backend (eager, sdpa, triton, flash_attention_2...)")
+    add_kernels_argument(parser)
     parser.add_argument("--gguf-file", default=None, help="GGUF file inside MODEL's folder")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=None, help="sample at this temperature (default: "
@@ -33,6 +34,21 @@ def add_arguments(parser) -> None:
                         help="model folder, .gguf file or Hub repo id (default: the embedded SmolLM2), then the prompt")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     add_model_arguments(parser)
+
+
+def add_kernels_argument(parser) -> None:
+    parser.add_argument("--kernels", default="auto", choices=("auto", "on", "off"),
+                        help="the bundled Triton kernels (use_kernels=True); auto: on when the model runs on a GPU")
+
+
+def use_kernels(choice: str, device_map: str) -> bool:
+    """``--kernels`` resolved for a model placed by ``device_map``; the automatic choice is logged."""
+    if choice != "auto":
+        return choice == "on"
+    on = torch.cuda.is_available() if device_map == "auto" else torch.device(device_map).type == "cuda"
+    logging.getLogger("cudaformers").info("kernels: %s (automatic on %s; --kernels on|off to choose)",
+                                          "on" if on else "off", device_map)
+    return on
 
 
 def load(model_arg: str | None, args, with_tokenizer: bool = True):
@@ -56,7 +72,8 @@ def load(model_arg: str | None, args, with_tokenizer: bool = True):
         dev = torch.device(device_map)
         dtype = (torch.bfloat16 if supports_bf16(dev) else torch.float16) if dev.type == "cuda" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(model_arg, gguf_file=gguf, dtype=dtype, device_map=device_map,
-                                                 attn_implementation=args.attn)
+                                                 attn_implementation=args.attn,
+                                                 use_kernels=use_kernels(args.kernels, device_map))
     tokenizer = AutoTokenizer.from_pretrained(model_arg, gguf_file=gguf) if with_tokenizer else None
     return model, tokenizer
 

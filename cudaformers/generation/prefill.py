@@ -38,7 +38,7 @@ class PromptPass:
 
     def __init__(self, runner, use_cuda_graph: bool):
         self.runner, self.use_cuda_graph = runner, use_cuda_graph
-        self.graphs: OrderedDict[int, tuple] = OrderedDict()  # width -> (graph, ids, last, logits)
+        self.graphs: OrderedDict[int, tuple] = OrderedDict()  # width -> (graph, its inputs and output)
 
     def _slots(self, lens: list[int]) -> torch.Tensor:
         """Row r's tokens fill its own blocks from slot r * row_stride."""
@@ -70,7 +70,7 @@ class PromptPass:
         last = torch.tensor(lens, device=dev) - 1 + torch.arange(len(rows), device=dev) * width
         if not self.use_cuda_graph or len(rows) * width > MAX_GRAPH_TOKENS:
             return self._forward(ids.view(-1), *self._batch([width] * len(rows), dev), last)
-        graph, ids_buf, last_buf, logits = self._graph(width)
+        graph, ids_buf, last_buf, logits, *_ = self._graph(width)
         ids_buf.copy_(ids)
         last_buf.copy_(last)
         graph.replay()
@@ -90,5 +90,6 @@ class PromptPass:
         # the batch's memoised tensors, which the captured run then reads.
         positions, batch = self._batch([width] * rows, dev)
         graph, logits = self.runner.capture(lambda: self._forward(ids.view(-1), positions, batch, last), warmups=1)
-        self.graphs[width] = (graph, ids, last, logits)
+        # The graph reads positions and the batch's tensors at every replay: they live as long as it.
+        self.graphs[width] = (graph, ids, last, logits, positions, batch)
         return self.graphs[width]
