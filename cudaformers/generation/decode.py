@@ -90,9 +90,9 @@ class DecodeRunner:
     def loop(self, kind: LoopKind, generator: torch.Generator | None):
         """(the loop state for ``kind``, a function running one decode step: model + ``advance``).
 
-        With graphs on and no user generator, model and ``advance`` are one captured graph per kind
+        With graphs on and greedy decoding, model and ``advance`` are one captured graph per kind
         (captured at the first call, before the prompt is written to the cache: the warm-up steps
-        write position 0). A seeded generator keeps ``advance`` eager: its state is the caller's."""
+        write position 0). Sampling replays the model step alone and runs ``advance`` eagerly."""
         state = self.loops.get(kind)
         if state is None:
             state = LoopState(kind, self.rows, self.capacity, self.model.config.vocab_size, self.tokens.device,
@@ -104,7 +104,9 @@ class DecodeRunner:
             self.positions += 1
             advance(logits, state)
 
-        if not self.use_cuda_graph or generator is not None:
+        # Sampling kinds keep advance eager (after a replay of the model step): capturing the
+        # sampler failed on the H200 (torch 2.11), and its host cost is small beside a sampled step.
+        if not self.use_cuda_graph or generator is not None or kind.sampling:
             def step():
                 logits = self.current_logits()
                 self.positions += 1
