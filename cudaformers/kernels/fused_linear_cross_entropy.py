@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import loss_chunks
+
 from ..layers.loss import IGNORE_INDEX, cross_entropy_from_logits
 
 logger = logging.getLogger("cudaformers")
@@ -65,15 +67,11 @@ def _ce_rows(logits_ptr, stride_row, targets_ptr, loss_ptr, scale_ptr, n_cols, i
             tl.store(base + idx, (g * scale).to(logits_ptr.dtype.element_ty), mask=idx < n_cols)
 
 
-LOGITS_BUDGET = 512 << 20  # bytes of logits one chunk may hold
+LOGITS_BUDGET = loss_chunks.LOGITS_BUDGET
 
 
 def _chunk_size(n: int, v: int, itemsize: int) -> int:
-    """Rows per chunk: as many as the logits budget allows (at least 128, so the matmuls keep their
-    efficiency on huge vocabularies), spread evenly over the chunks and rounded up to a multiple of 64."""
-    most = max(128, LOGITS_BUDGET // (v * itemsize))
-    chunks = triton.cdiv(n, most)
-    return max(1, min(n, triton.cdiv(triton.cdiv(n, chunks), 64) * 64))
+    return loss_chunks.chunk_rows(n, v, itemsize, LOGITS_BUDGET)
 
 
 def _check_targets(targets, vocab, ignore_index):

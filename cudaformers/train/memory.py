@@ -17,7 +17,6 @@ divides the decoder layers' share; activations are per GPU.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from ..errors import UnsupportedError
@@ -169,7 +168,9 @@ def plan(config, *, task: str = "train", batch: int = 1, seq: int = 2048, gpus: 
             p.rows.append(("activations", tokens * s.layers * per_layer + tokens * s.hidden * 4))
         if fused_loss:
             # One chunk of logits, plus the gradients it computes in the forward pass and keeps.
-            chunk = min(tokens, 4096, max(256, 1 << max(0, math.ceil(math.log2(max(1, tokens * s.hidden / s.vocab))))))
+            from ..kernels.loss_chunks import chunk_rows
+
+            chunk = chunk_rows(tokens, s.vocab, act_b)
             p.rows.append(("loss (fused linear+CE: a chunk + saved grads)",
                            chunk * s.vocab * act_b + tokens * s.hidden * act_b + s.vocab * s.hidden * 4))
         else:

@@ -372,7 +372,8 @@ class Trainer:
         if grad_norm is not None:
             rec["grad_norm"] = float(grad_norm)
         if peak:
-            rec["mfu"] = round(6 * n_params * tokens_per_s / (peak * self.dist.world_size), 4)
+            # Four significant digits, not decimals: a small model's MFU is far below 1e-4.
+            rec["mfu"] = float(f"{6 * n_params * tokens_per_s / (peak * self.dist.world_size):.4g}")
         if self.device.type == "cuda":
             rec["peak_mem_gib"] = round(torch.cuda.max_memory_allocated(self.device) / 2**30, 2)
         return rec, loss_sum, n
