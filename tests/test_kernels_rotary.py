@@ -34,7 +34,12 @@ def _run(fn, q0, k0, cos, sin, dq, dk, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("t,hq,hkv,d,rot", [(1, 4, 2, 16, 16), (5, 3, 1, 12, 12), (9, 8, 8, 64, 32), (6, 6, 2, 10, 6)])
 def test_rotary_matches_reference(t, hq, hkv, d, rot, dtype):
-    g = torch.Generator().manual_seed(t * 7 + d)
+    _check_against_reference(t, hq, hkv, d, rot, dtype, seed=t * 7 + d)
+
+
+def _check_against_reference(t, hq, hkv, d, rot, dtype, seed):
+    """Rotated q, k and their gradients within the tolerance rule of test_kernels_tolerance."""
+    g = torch.Generator().manual_seed(seed)
     q, k = torch.randn(t, hq, d, generator=g), torch.randn(t, hkv, d, generator=g)
     dq, dk = torch.randn(t, hq, d, generator=g), torch.randn(t, hkv, d, generator=g)
     cos, sin = _cos_sin(t, rot)
@@ -43,7 +48,7 @@ def test_rotary_matches_reference(t, hq, hkv, d, rot, dtype):
     ref32 = _run(apply_rotary_reference, q, k, cos, sin, dq, dk, torch.float32)
     for name, a, b, c in zip(["q", "k", "dq", "dk"], ours, ref, ref32):
         assert a.dtype == b.dtype
-        assert_matches(a, b, c, f"{name} ({dtype})")
+        assert_matches(a, b, c, f"{name} ({dtype}, t={t})")
 
 
 def test_rotary_is_in_place_without_grad():
@@ -73,15 +78,7 @@ def test_rotary_on_strided_views():
 def test_rotary_token_tiles(t, hq, hkv, d, rot, dtype):
     # Several tokens a program (32 for one 64-channel head), a partial last tile, non-power-of-two
     # heads and head dims, and partial rotary with the pass-through channels' gradient.
-    g = torch.Generator().manual_seed(t + hq + d)
-    q, k = torch.randn(t, hq, d, generator=g), torch.randn(t, hkv, d, generator=g)
-    dq, dk = torch.randn(t, hq, d, generator=g), torch.randn(t, hkv, d, generator=g)
-    cos, sin = _cos_sin(t, rot)
-    ours = _run(apply_rotary, q, k, cos, sin, dq, dk, dtype)
-    ref = _run(apply_rotary_reference, q, k, cos, sin, dq, dk, dtype)
-    ref32 = _run(apply_rotary_reference, q, k, cos, sin, dq, dk, torch.float32)
-    for name, a, b, c in zip(["q", "k", "dq", "dk"], ours, ref, ref32):
-        assert_matches(a, b, c, f"{name} ({dtype}, t={t})")
+    _check_against_reference(t, hq, hkv, d, rot, dtype, seed=t + hq + d)
 
 
 def test_rotary_out_of_place_from_a_strided_input():
