@@ -25,6 +25,9 @@ for part in "${parts[@]}"; do
                 --variants sdpa,triton+kernels,triton+kernels+cublas --json "$OUT/results.jsonl" ;;
     train) run train 110 python3 bench/train.py --kernels off,on --attn sdpa --json "$OUT/results.jsonl" ;;
     engine) run engine 90 python3 bench/serve_offline.py --skip-hf --json "$OUT/results.jsonl" ;;
+    engine-hf) run engine-hf 240 python3 bench/serve_offline.py --json "$OUT/results.jsonl" ;;
+    quant-kernels) run quant-kernels 120 python3 bench/quant.py --parts kernels,tiles --shapes qwen3-8b ;;
+    load) run load 120 python3 bench/load.py ;;
     engine-profile) run engine-profile 70 python3 bench/profile_engine.py ;;
     kernels-tests) run kernels-tests 90 python3 -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider tests/gpu/test_kernels_gpu.py ;;
     kernels-bench) run kernels-bench 60 python3 bench/kernels.py ;;
