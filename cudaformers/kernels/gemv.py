@@ -15,6 +15,14 @@ activation kernel and its intermediate tensor disappear from the decode step. Ev
 recomputes the activation over all of K; that is a few thousand cheap flops against tens of KB of
 weights, and gate/up are read from L2.
 
+``gemv_rms_norm`` is a projection that consumes an RMSNorm, ``F.linear(rms_norm(x + residual), W)``
+(the q/k/v and gate/up projections of a decoder layer), in one launch. Every program holds the whole
+input row anyway, so it first sums the squares of ``x + residual`` over the row (pass 1), then
+streams its weights against the normalised row (pass 2); one program per row also writes
+``x + residual``, the next residual. The norm's launch, its output and the re-read of that output
+disappear. The rounding steps are rms_norm's: the sum and the normalised row are rounded to x's
+dtype, then scaled by the norm weight and rounded again, so greedy decoding is unchanged.
+
 On Hopper the GEMV is launched with programmatic dependent launch (``pdl.py``): its grid is
 scheduled while the previous kernel drains and starts streaming its first weight tile before it
 waits for its input, which hides most of the ramp-up that dominates a few-microsecond kernel.
@@ -48,9 +56,27 @@ def _input_tile(x_row, u_row, k, k_ok, ACT: tl.constexpr):
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, u_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_xm, stride_um, stride_wn, stride_ym,
-                 ACT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 USE_PDL: tl.constexpr):
+def _residual_sum(x_row, r_row, k, k_ok, HAS_RESIDUAL: tl.constexpr):
+    """``x + residual`` at columns ``k``, rounded to x's dtype as the unfused add is."""
+    x = tl.load(x_row + k, mask=k_ok, other=0.0)
+    if HAS_RESIDUAL:
+        x = (x.to(tl.float32) + tl.load(r_row + k, mask=k_ok, other=0.0).to(tl.float32)).to(x.dtype)
+    return x
+
+
+@triton.jit
+def _normed(s, rstd, norm_w):
+    """rms_norm's output at these columns, as fp32: normalised and rounded to the activation dtype,
+    scaled by the norm weight and rounded again (the norm writes x's dtype, the GEMV reads it)."""
+    normed = (s.to(tl.float32) * rstd).to(s.dtype).to(tl.float32)
+    return (normed * norm_w.to(tl.float32)).to(s.dtype).to(tl.float32)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, u_ptr, w_ptr, b_ptr, y_ptr, nw_ptr, s_ptr, N, K, eps, stride_xm, stride_um, stride_wn,
+                 stride_ym, ACT: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    # Inputs by mode: plain (x), ACT (gate x, up u), NORM (x, residual u, norm weight nw, sum out s).
     pid_n = tl.program_id(0)
     m = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -65,16 +91,43 @@ def _gemv_kernel(x_ptr, u_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_xm, stride_um, 
     # Nothing may consume the tile before the wait, or the program would stall on it there instead
     # of having its input requested by the time the weights arrive.
     w0 = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+    if NORM:
+        nw0 = tl.load(nw_ptr + cols, mask=k_ok, other=0.0)  # a weight too: nothing in the step writes it
     wait_for_producer(USE_PDL)
     release_dependents(USE_PDL)
+    if NORM:
+        # Pass 1: the row's sum of squares. The first tile stays in registers for pass 2; program 0
+        # of the row writes the sum (the next residual), which no other program reads.
+        s_row = s_ptr + m.to(tl.int64) * K
+        s_cols = tl.where(pid_n == 0, K, 0)  # columns this program writes: all or none
+        s0 = _residual_sum(x_row, u_row, cols, k_ok, HAS_RESIDUAL)
+        if HAS_RESIDUAL:
+            tl.store(s_row + cols, s0, mask=cols < s_cols)
+        sq = s0.to(tl.float32) * s0.to(tl.float32)
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            kk = k0 + cols
+            kk_ok = kk < K
+            s = _residual_sum(x_row, u_row, kk, kk_ok, HAS_RESIDUAL)
+            if HAS_RESIDUAL:
+                tl.store(s_row + kk, s, mask=kk < s_cols)
+            sq += s.to(tl.float32) * s.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / K + eps)  # as rms_norm computes it
+        x0 = _normed(s0, rstd, nw0)
+    else:
+        x0 = _input_tile(x_row, u_row, cols, k_ok, ACT)
     # Elementwise products accumulate in fp32 and are reduced once at the end: no per-step shuffles.
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc += w0.to(tl.float32) * _input_tile(x_row, u_row, cols, k_ok, ACT)[None, :]
+    acc += w0.to(tl.float32) * x0[None, :]
     for k0 in range(BLOCK_K, K, BLOCK_K):
         k = k0 + cols
         k_ok = k < K
         w = tl.load(w_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        acc += w * _input_tile(x_row, u_row, k, k_ok, ACT)[None, :]
+        if NORM:  # pass 2 past the first tile: the sum again (from L1/L2), normalised
+            xk = _normed(_residual_sum(x_row, u_row, k, k_ok, HAS_RESIDUAL), rstd,
+                         tl.load(nw_ptr + k, mask=k_ok, other=0.0))
+        else:
+            xk = _input_tile(x_row, u_row, k, k_ok, ACT)
+        acc += w * xk[None, :]
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
@@ -98,7 +151,8 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
-def _launch(x2, u2, weight, bias, act: int) -> torch.Tensor:
+def _launch(x2, u2, weight, bias, act: int, norm: tuple | None = None) -> torch.Tensor:
+    """``norm``: ``(norm weight, eps, sum output or None)`` for the NORM mode (u2 is the residual)."""
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
     m, k = x2.shape
@@ -110,9 +164,11 @@ def _launch(x2, u2, weight, bias, act: int) -> torch.Tensor:
     block_k = min(triton.next_power_of_2(k), _ELEMENTS // block_n)
     grid = (triton.cdiv(n, block_n), m)
     pdl = pdl_enabled(x2.device)  # GEMVs run without autograd only: always an inference launch
-    _gemv_kernel[grid](x2, u2, weight, bias if bias is not None else y, y, n, k, x2.stride(0), u2.stride(0),
-                       weight.stride(0), y.stride(0), ACT=act, HAS_BIAS=bias is not None, BLOCK_N=block_n,
-                       BLOCK_K=block_k, USE_PDL=pdl, num_warps=4, num_stages=3, launch_pdl=pdl)
+    norm_w, eps, s = norm if norm is not None else (y, 0.0, None)
+    _gemv_kernel[grid](x2, u2, weight, bias if bias is not None else y, y, norm_w, s if s is not None else y,
+                       n, k, eps, x2.stride(0), u2.stride(0), weight.stride(0), y.stride(0), ACT=act,
+                       NORM=norm is not None, HAS_RESIDUAL=s is not None, HAS_BIAS=bias is not None,
+                       BLOCK_N=block_n, BLOCK_K=block_k, USE_PDL=pdl, num_warps=4, num_stages=3, launch_pdl=pdl)
     return y
 
 
@@ -135,6 +191,38 @@ def gemv_act_mul(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bia
                          "the same shape and dtype")
     act = _code(activation)
     return _launch(_rows(gate), _rows(up), weight, bias, act).view(*gate.shape[:-1], weight.shape[0])
+
+
+def gemv_rms_norm(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                  residual: torch.Tensor | None = None, bias: torch.Tensor | None = None):
+    """``F.linear(rms_norm(x + residual), weight, bias)`` in one launch, rounded as the two ops are.
+
+    x, residual ``[..., K]`` (at most a few rows, the same dtype), norm_weight ``[K]`` and weight
+    ``[N, K]`` in x's dtype -> ``y [..., N]``; with a residual ``(y, x + residual)``, as
+    ``RMSNorm(x, residual)`` returns the normed row and the sum.
+    """
+    k = x.shape[-1]
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} must have x's shape and dtype "
+                         f"{tuple(x.shape)} {x.dtype}")
+    if norm_weight.shape != (k,) or norm_weight.dtype != x.dtype:
+        raise ValueError(f"norm weight {tuple(norm_weight.shape)} {norm_weight.dtype} must be [{k}] in x's dtype "
+                         f"{x.dtype} (the unfused norm would otherwise write another dtype); use rms_norm then gemv")
+    x2 = _rows(x)
+    s = torch.empty(x2.shape, device=x.device, dtype=x.dtype) if residual is not None else None
+    y = _launch(x2, _rows(residual) if residual is not None else x2, weight, bias, _NO_ACT,
+                norm=(norm_weight.contiguous(), float(eps), s)).view(*x.shape[:-1], weight.shape[0])
+    return y if residual is None else (y, s.view(x.shape))
+
+
+def gemv_rms_norm_reference(x, weight, norm_weight, eps: float, residual=None, bias=None):
+    """The PyTorch definition ``gemv_rms_norm`` is tested against: the norm, then the matmul."""
+    from .rms_norm import rms_norm_residual_reference
+
+    normed = rms_norm_residual_reference(x, norm_weight, eps, residual)
+    if residual is None:
+        return F.linear(normed, weight, bias)
+    return F.linear(normed[0], weight, bias), normed[1]
 
 
 def _triton_ok(x: torch.Tensor) -> bool:

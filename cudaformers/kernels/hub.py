@@ -96,14 +96,34 @@ def _streams_plainly(linear) -> bool:
             and not linear._forward_hooks and not linear._forward_pre_hooks)
 
 
-def _fused_mlp_decode(self, x):
+def gated_mlp_down(mlp, gate, up):
+    """A gated MLP past its gate/up projections, with ``act(gate) * up`` inside the down GEMV where
+    that applies."""
     from .gemv import gemv_act_mul, gemv_applies
 
-    gate, up = self.project_gate_up(x)
-    down = self.down_proj
+    down = mlp.down_proj
     if _streams_plainly(down) and gemv_applies(down.weight, gate, up):
-        return gemv_act_mul(gate, up, down.weight, down.bias, self.act_fn.name)
-    return down(self.act_fn(gate, up))  # GatedMLP.forward, past the projections
+        return gemv_act_mul(gate, up, down.weight, down.bias, mlp.act_fn.name)
+    return down(mlp.act_fn(gate, up))  # GatedMLP.forward, past the projections
+
+
+def _fused_mlp_decode(self, x):
+    return gated_mlp_down(self, *self.project_gate_up(x))
+
+
+def _fused_norm_decode(self, hidden, residual, cos, sin, batch):
+    from .fused_norm_decode import fused_norm_decode_forward
+
+    return fused_norm_decode_forward(self, hidden, residual, cos, sin, batch)
+
+
+def _is_dense_decoder_layer(module) -> bool:
+    from ..models.llama import DecoderLayer
+
+    # The exact class (subclasses such as the MoE layers change the feed-forward); a forward that
+    # something else patched (block checkpointing) is left alone, and so never popped by a swap.
+    bound = module.__dict__.get("forward")
+    return type(module) is DecoderLayer and (bound is None or getattr(bound, "__func__", None) is _fused_norm_decode)
 
 
 def _gated_mlp_recompute(self, x):
@@ -192,6 +212,10 @@ LAYER_TYPES = {t.name: t for t in [
               "GEMV; training: act(gate) * up recomputed in the backward instead of saved",
               forward_only=("cudaformers:fused_mlp_decode",),
               mode_defaults={"inference": "cudaformers:fused_mlp_decode", "training": "cudaformers:gated_mlp_recompute"}),
+    LayerType("DecoderLayer", _is_dense_decoder_layer, {"cudaformers:fused_norm_decode": _fused_norm_decode},
+              "decode-sized dense decoder layers (<= 4 rows): each RMSNorm (and its residual add) computed inside "
+              "the packed q/k/v or gate/up GEMV that consumes it",
+              default_modes=("inference",), has_backward=False),
     LayerType("ForCausalLMLoss", lambda m: hasattr(m, "fused_loss") and hasattr(m, "lm_head"),
               {"cudaformers:fused_linear_cross_entropy": None},
               "lm_head + cross-entropy without the full logits", default_modes=("training",)),

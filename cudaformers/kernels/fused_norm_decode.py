@@ -1,0 +1,121 @@
+"""The "DecoderLayer" kernel: a dense decoder layer whose two RMSNorms run inside the GEMVs that
+consume them (``gemv.gemv_rms_norm``), at decode sizes.
+
+A layer normally runs ``input_layernorm`` -> packed q/k/v GEMV and ``post_attention_layernorm`` ->
+packed gate/up GEMV: two norm launches, and two normed rows written and read back. Folded, each
+norm is a first pass over the input row inside the GEMV, and one program of the GEMV writes the
+residual sum. Of a decode step's 2L + 1 norm launches only the final one (before the lm_head) is
+left.
+
+Each half of the layer folds on its own, only where the result is the unfused path's: the norm is a
+plain ``RMSNorm`` (PyTorch or the hub's kernel, which round alike), the projections it feeds are the
+packed, plain ``nn.Linear`` weights (no adapter, quantization, sharding or hooks the fold would
+bypass), the rows are few enough for the GEMV (``gemv_applies``: no autograd, one dtype) and
+autocast is off (under autocast the hub's norm writes another dtype). Otherwise that half runs as
+``DecoderLayer.forward`` does.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..layers.attention import Attention
+from ..layers.mlp import GatedMLP
+from ..layers.norm import RMSNorm
+from .fused_projections import PackedLinear
+from .gemv import gemv_applies, gemv_rms_norm
+
+
+def _unhooked(module: nn.Module) -> bool:
+    return not module._forward_hooks and not module._forward_pre_hooks
+
+
+def _plain_norm(norm: nn.Module) -> bool:
+    from .hub import _rms_norm
+
+    bound = norm.__dict__.get("forward")
+    return (type(norm) is RMSNorm and _unhooked(norm)
+            and (bound is None or getattr(bound, "__func__", None) is _rms_norm))
+
+
+def _packed(owner: nn.Module, name: str, linears) -> PackedLinear | None:
+    """``owner``'s packed projection where the unfused layer would run it and it stands for plain
+    Linear layers only (no adapter, quantization, sharding or hook that the fold would bypass)."""
+    from .fused_projections import _usable
+    from .hub import _streams_plainly
+
+    packed = getattr(owner, name, None)
+    if type(packed) is not PackedLinear or not _unhooked(packed) or not _usable(packed, linears[0]):
+        return None
+    return packed if all(_streams_plainly(m) for m in linears) else None
+
+
+def _fold(norm: RMSNorm, packed: PackedLinear | None, hidden, residual):
+    """``(packed(norm(hidden + residual)), hidden + residual)`` in one launch, or None where it
+    would not match the unfused path."""
+    if packed is None or not _plain_norm(norm) or torch.is_autocast_enabled(hidden.device.type):
+        return None
+    inputs = (hidden, norm.weight) if residual is None else (hidden, residual, norm.weight)
+    if not gemv_applies(packed.weight, *inputs):
+        return None
+    if residual is None:  # the first layer: the embedding is the residual
+        return gemv_rms_norm(hidden, packed.weight, norm.weight, norm.variance_epsilon, bias=packed.bias), hidden
+    return gemv_rms_norm(hidden, packed.weight, norm.weight, norm.variance_epsilon, residual, packed.bias)
+
+
+def _attention_past_projections(attn: Attention, qkv: torch.Tensor, cos, sin, batch) -> torch.Tensor:
+    # Attention.forward after project_qkv (only taken when that is the layer's forward).
+    t, d = qkv.shape[0], attn.head_dim
+    q, k, v = (p.view(t, -1, d) for p in qkv.split(attn.packed_qkv.sizes, dim=-1))
+    q, k = attn.rotary(q, k, cos, sin, attn.q_norm, attn.k_norm)
+    out = attn.backend(q, k, v, batch, attn.layer_idx, attn.scaling, attn.sliding_window)
+    return attn.o_proj(out.reshape(t, -1))
+
+
+def _mlp_past_projections(mlp: GatedMLP, gate_up: torch.Tensor) -> torch.Tensor:
+    from .hub import _fused_mlp_decode, gated_mlp_down
+
+    gate, up = gate_up.split(mlp.packed_gate_up.sizes, dim=-1)
+    if getattr(mlp.__dict__.get("forward"), "__func__", None) is _fused_mlp_decode:
+        return gated_mlp_down(mlp, gate, up)  # the act-and-mul inside the down GEMV
+    return mlp.down_proj(mlp.act_fn(gate, up))  # GatedMLP.forward, past the projections
+
+
+def _attention_folds(attn) -> bool:
+    return (type(attn) is Attention and "forward" not in attn.__dict__ and _unhooked(attn)
+            and "project_qkv" in attn.__dict__)  # packed by fuse_projections
+
+
+def _mlp_folds(mlp) -> bool:
+    from .hub import _fused_mlp_decode
+
+    bound = mlp.__dict__.get("forward")
+    return (type(mlp) is GatedMLP and _unhooked(mlp) and "project_gate_up" in mlp.__dict__
+            and (bound is None or getattr(bound, "__func__", None) is _fused_mlp_decode))
+
+
+def fused_norm_decode_forward(self, hidden, residual, cos, sin, batch):
+    """``DecoderLayer.forward`` with each norm folded into the GEMV after it where that is exact."""
+    attn, mlp = self.self_attn, self.mlp
+    qkv_folds = _attention_folds(attn)
+    folded = _fold(self.input_layernorm, _packed(attn, "packed_qkv", (attn.q_proj, attn.k_proj, attn.v_proj))
+                   if qkv_folds else None, hidden, residual)
+    if folded is not None:
+        qkv, residual = folded
+        hidden = _attention_past_projections(attn, qkv, cos, sin, batch)
+    else:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = attn(hidden, cos, sin, batch)
+
+    folded = _fold(self.post_attention_layernorm, _packed(mlp, "packed_gate_up", (mlp.gate_proj, mlp.up_proj))
+                   if _mlp_folds(mlp) else None, hidden, residual)
+    if folded is not None:
+        gate_up, residual = folded
+        return _mlp_past_projections(mlp, gate_up), residual
+    hidden, residual = self.post_attention_layernorm(hidden, residual)
+    return self.feed_forward(hidden), residual
