@@ -4,6 +4,7 @@ their devices in the target dtype -> transforms (quantization, kernels, parallel
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import torch
 from ..config import PretrainedConfig
 from ..errors import CheckpointError, UnsupportedError
 from . import device_map as dm
-from .safetensors import checkpoint_files, iter_safetensors
+from .safetensors import SafetensorsCheckpoint, checkpoint_files
 
 logger = logging.getLogger("cudaformers")
 
@@ -85,8 +86,7 @@ def load_pretrained(path_or_repo_id, *, model_class=None, dtype="auto", torch_dt
     placement = dm.plan(model, device_map, dtype, max_memory)
     _check_dtype_on_devices(dtype, placement)
     _materialize(model, placement)
-    tensors = _gguf_tensors(folder / gguf_file, dtype) if gguf_file else \
-        ((n, t, f) for n, t, f in iter_safetensors(checkpoint_files(folder)))
+    tensors = _gguf_tensors(folder / gguf_file, dtype) if gguf_file else SafetensorsCheckpoint(checkpoint_files(folder))
     _load_tensors(model, tensors)
     model.tie_weights()
     from ..kernels.fused_projections import fuse_projections
@@ -131,11 +131,43 @@ def _gguf_tensors(path: Path, dtype):
         yield name, tensor, path
 
 
+def _stream_target(params) -> torch.device | None:
+    """The GPU a safetensors checkpoint streams to: the one CUDA device holding every parameter.
+    Models on the CPU, across devices or offloaded read the memory-mapped files in place;
+    CUDAFORMERS_STREAM_LOAD=0 makes GPU loads do so too."""
+    devices = {p.device for p in params.values()}
+    if len(devices) != 1 or next(iter(devices)).type != "cuda":
+        return None
+    if os.environ.get("CUDAFORMERS_STREAM_LOAD", "1") == "0":
+        logger.info("CUDAFORMERS_STREAM_LOAD=0: weights are copied tensor by tensor from the mapped files")
+        return None
+    return next(iter(devices))
+
+
 def _load_tensors(model, tensors) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     modules = dict(model.named_modules())
-    loaded, via_loader, unexpected = set(), set(), []
+    target = _stream_target(params) if isinstance(tensors, SafetensorsCheckpoint) else None
+    source = tensors.stream(target) if target is not None else iter(tensors)
+    start = time.perf_counter()
+    try:
+        nbytes = _assign(model, params, modules, source, streamed=target is not None)
+    finally:
+        if hasattr(source, "close"):
+            source.close()  # a streamed source stops its reader threads, also when loading fails
+    for dev in {p.device for p in params.values() if p.device.type == "cuda"}:
+        torch.cuda.synchronize(dev)
+    seconds = max(time.perf_counter() - start, 1e-9)
+    how = f"streamed to {target} through pinned buffers" if target is not None else "read in place"
+    model._choices["weights"] = f"{nbytes / 1e9:.2f} GB in {seconds:.2f}s ({nbytes / 1e9 / seconds:.1f} GB/s, {how})"
+    logger.info("loaded weights: %s", model._choices["weights"])
+
+
+def _assign(model, params, modules, tensors, streamed: bool) -> int:
+    """Every checkpoint tensor to its parameter or its module's loader; returns the bytes read."""
+    loaded, via_loader, unexpected, nbytes = set(), set(), [], 0
     for name, tensor, file in tensors:
+        nbytes += tensor.nbytes
         module_name, _, attr = name.rpartition(".")
         module = modules.get(module_name)
         # A tensor below a module that loads its whole subtree (stacked MoE experts reading
@@ -146,7 +178,8 @@ def _load_tensors(model, tensors) -> None:
             module = modules.get(module_name)
         loader = getattr(module, "load_checkpoint_tensor", None)
         if loader is not None:  # layers that pack/quantize their weights load them themselves
-            loader(attr, tensor)
+            # A streamed tensor views a staging buffer that is reused; loaders may keep what they get.
+            loader(attr, tensor.clone() if streamed else tensor)
             via_loader.add(module_name)
             continue
         param = params.get(name)
@@ -170,5 +203,4 @@ def _load_tensors(model, tensors) -> None:
     if unexpected:
         logger.warning("ignored %d checkpoint tensors the model does not use, e.g. %s", len(unexpected),
                        unexpected[:4])
-    if any(p.device.type == "cuda" for p in params.values()):
-        torch.cuda.synchronize()
+    return nbytes

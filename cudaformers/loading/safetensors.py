@@ -42,6 +42,24 @@ def checkpoint_files(folder: Path) -> list[Path]:
                           "for a GGUF file pass gguf_file=...")
 
 
+class SafetensorsCheckpoint:
+    """The tensors of a checkpoint's safetensors files, read for where they are going: iterated, they
+    are zero-copy views of the memory-mapped files (CPU); ``stream(device)`` brings them to a GPU
+    through pinned buffers (loading/streaming.py)."""
+
+    def __init__(self, files: list[Path]):
+        self.files = files
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor, Path]]:
+        return iter_safetensors(self.files)
+
+    def stream(self, device: torch.device) -> Iterator[tuple[str, torch.Tensor, Path]]:
+        """Device tensors, each valid only until the next is requested (staging buffers are reused)."""
+        from .streaming import stream_safetensors
+
+        return stream_safetensors(self.files, device)
+
+
 def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor, Path]]:
     """(name, tensor, file) for every tensor; tensors are zero-copy views of the memory-mapped file,
     so nothing larger than one tensor is ever materialised on the host."""
