@@ -107,3 +107,17 @@ def test_grouped_gemm_kernels_inside_the_model():
     ids = torch.randint(3, 211, (1, 10), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         torch.testing.assert_close(ours(ids).logits, ref(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_plain_experts_block_graph_capture_until_a_kernel_replaces_them():
+    """The plain expert loop reads the device from the host, so generate() and the engine must not
+    capture it in a CUDA graph; the grouped-GEMM kernel lifts that."""
+    folder = checkpoint("qwen3_moe")
+    plain = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa")
+    assert plain.graph_blockers() == ["MoeExperts without use_kernels=True"]
+    eager = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager")
+    assert "attention backend 'eager'" in eager.graph_blockers()
+    mapping = {"MoeExperts": "cudaformers:grouped_gemm"}
+    fused = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa",
+                                                 kernel_config=KernelConfig(mapping, inherit_mapping=False))
+    assert fused.graph_blockers() == []

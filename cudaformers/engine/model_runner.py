@@ -89,16 +89,16 @@ class ModelRunner:
         self._last_rows: dict[int, int] = {}  # seq_id -> row in _last_tokens
         self.graphs: DecodeGraphs | None = None
         self.last_graph_size: int | None = None  # the graph bucket the last step replayed (None: eager)
-        graph_safe = all(getattr(layer.backend, "graph_safe", False) for layer in model.attention_layers())
+        blockers = model.graph_blockers()
         if use_cuda_graph is None:
-            use_cuda_graph = self.is_cuda and graph_safe
+            use_cuda_graph = self.is_cuda and not blockers
             why = "on" if use_cuda_graph else (f"off on {self.device.type}" if not self.is_cuda else
-                                                "off: the attention backend cannot be captured")
+                                                f"off: {', '.join(blockers)} cannot be captured")
             logger.info("CUDA graphs for decode steps: %s (automatic; pass use_cuda_graph= to choose)", why)
             model._choices["engine cuda graphs"] = why
-        elif use_cuda_graph and not graph_safe:
-            raise UnsupportedError("use_cuda_graph=True: the attention backend cannot be captured in a CUDA graph; "
-                                   "use attn_implementation='triton' or 'sdpa'")
+        elif use_cuda_graph and blockers:
+            raise UnsupportedError(f"use_cuda_graph=True: {', '.join(blockers)} cannot be captured in a CUDA graph; "
+                                   "use attn_implementation='triton' or 'sdpa' and use_kernels=True")
         if use_cuda_graph:
             if not self.is_cuda:
                 raise UnsupportedError(f"use_cuda_graph=True needs a CUDA model; this one is on {self.device}")

@@ -122,17 +122,17 @@ class DecodeRunner:
 def get_runner(model, rows: int, total_len: int, use_cuda_graph: bool | None) -> DecodeRunner:
     """A cached runner big enough for this call; graphs are captured once per (rows, capacity)."""
     on_one_gpu = model.device.type == "cuda" and len({p.device for p in model.parameters()}) == 1
-    graph_safe = all(getattr(layer.backend, "graph_safe", False) for layer in model.attention_layers())
+    blockers = model.graph_blockers()
     if use_cuda_graph is None:
-        use_cuda_graph = on_one_gpu and graph_safe
+        use_cuda_graph = on_one_gpu and not blockers
         reason = "on" if use_cuda_graph else ("off (CPU or several devices)" if not on_one_gpu else
-                                              "off (the attention backend cannot be captured)")
+                                              f"off ({', '.join(blockers)} cannot be captured)")
         model._choices["generate cuda graphs"] = reason
     elif use_cuda_graph and not on_one_gpu:
         raise ValueError("use_cuda_graph=True needs the whole model on one GPU")
-    elif use_cuda_graph and not graph_safe:
-        raise ValueError("use_cuda_graph=True: the attention backend cannot be captured in a CUDA graph; "
-                         "use attn_implementation='sdpa' or 'triton'")
+    elif use_cuda_graph and blockers:
+        raise ValueError(f"use_cuda_graph=True: {', '.join(blockers)} cannot be captured in a CUDA graph; use "
+                         "attn_implementation='sdpa' or 'triton' and use_kernels=True, or use_cuda_graph=False")
     block_size = 256 if total_len > 256 else 16
     capacity = -(-total_len // block_size) * block_size
     runners = model.__dict__.setdefault("_decode_runners", {})

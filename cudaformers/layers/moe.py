@@ -67,6 +67,7 @@ _ROLE = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_p
 
 class MoeExperts(nn.Module):
     kernel_layer_name = "MoeExperts"
+    graph_safe = False  # the plain loop asks the host which experts received tokens
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, act: str,
                  names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")):

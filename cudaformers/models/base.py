@@ -61,6 +61,16 @@ class PreTrainedModel(nn.Module):
     def attention_layers(self):
         return [m for m in self.modules() if isinstance(m, Attention)]
 
+    def graph_blockers(self) -> list[str]:
+        """Why this model's forward cannot be captured in a CUDA graph (empty: it can). A module
+        class declares ``graph_safe = False`` when its plain forward reads the device from the host;
+        a kernel bound onto the instance (use_kernels) lifts that."""
+        reasons = {f"attention backend {layer.backend.name!r}" for layer in self.attention_layers()
+                   if not getattr(layer.backend, "graph_safe", False)}
+        reasons |= {f"{type(m).__name__} without use_kernels=True" for m in self.modules()
+                    if getattr(type(m), "graph_safe", True) is False and "forward" not in vars(m)}
+        return sorted(reasons)
+
     def set_attn_implementation(self, name: str = "sdpa") -> None:
         layers = self.attention_layers()
         windows = any(layer.sliding_window for layer in layers)
