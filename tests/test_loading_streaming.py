@@ -27,7 +27,8 @@ def _random(shape, dtype, gen):
         return torch.rand(shape, generator=gen) > 0.5
     if not dtype.is_floating_point:
         info = torch.iinfo(dtype)
-        return torch.randint(max(info.min, -1000), min(info.max, 1000), shape, generator=gen, dtype=torch.int64).to(dtype)
+        low, high = max(info.min, -1000), min(info.max, 1000)
+        return torch.randint(low, high, shape, generator=gen, dtype=torch.int64).to(dtype)
     return torch.randn(shape, generator=gen).to(dtype)
 
 
@@ -75,7 +76,8 @@ def _write_raw(path, tensors: dict, metadata=None, pad=True):
     header, data = {"__metadata__": metadata or {}}, b""
     for name, t in tensors.items():
         raw = bytes(_bytes(t).numpy())
-        header[name] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [len(data), len(data) + len(raw)]}
+        header[name] = {"dtype": names[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [len(data), len(data) + len(raw)]}
         data += raw
     text = json.dumps(header).encode()
     if pad:

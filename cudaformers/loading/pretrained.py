@@ -157,6 +157,8 @@ def _load_tensors(model, tensors) -> None:
             source.close()  # a streamed source stops its reader threads, also when loading fails
     for dev in {p.device for p in params.values() if p.device.type == "cuda"}:
         torch.cuda.synchronize(dev)
+    if target is not None and target.type == "cuda":
+        torch.cuda.empty_cache()  # the staging buffers, so that free memory reads true after loading
     seconds = max(time.perf_counter() - start, 1e-9)
     how = f"streamed to {target} through pinned buffers" if target is not None else "read in place"
     model._choices["weights"] = f"{nbytes / 1e9:.2f} GB in {seconds:.2f}s ({nbytes / 1e9 / seconds:.1f} GB/s, {how})"

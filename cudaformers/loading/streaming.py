@@ -125,21 +125,6 @@ def _units(file: Path, entries: list[TensorEntry], chunk_bytes: int) -> list[_Un
     return units
 
 
-def _read(fd: int, file: Path, unit: _Unit, buf: memoryview, offset: int, after) -> None:
-    """Fill ``buf`` from ``offset`` (a reader thread; pread releases the GIL)."""
-    if after is not None:
-        after.synchronize()  # the previous copy out of this pinned buffer has finished
-    done = 0
-    while done < len(buf):
-        n = os.preadv(fd, [buf[done:]], offset + done)
-        if n == 0:
-            at = offset + done
-            name = next((t.name for t in unit.entries if t.begin <= at < t.end), "?")
-            raise CheckpointError(f"{file}: ends at byte {at}, inside tensor {name!r}; the file is truncated "
-                                  "(or was changed while loading): download it again")
-        done += n
-
-
 class _Staging:
     """Device side: a ring of unit-sized buffers filled on a side stream (CUDA) or by plain copies (CPU).
 
@@ -152,7 +137,8 @@ class _Staging:
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.ring: list[torch.Tensor | None] = [None] * slots
-        self.consumed: list = [None] * slots
+        self.consumed: list = [None] * slots  # per ring buffer: the consumer's last use of it
+        self.slot, self.filled = None, -1  # the ring buffer in use (None: a buffer of its own)
 
     def _fresh(self, nbytes: int) -> torch.Tensor:
         buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
@@ -160,15 +146,18 @@ class _Staging:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
         return buf
 
-    def acquire(self, index: int, nbytes: int) -> torch.Tensor:
+    def acquire(self, nbytes: int) -> torch.Tensor:
+        """A buffer for the next unit: the next ring buffer, or a buffer of its own for a large unit."""
         if nbytes > self.slot_bytes:
+            self.slot = None
             return self._fresh(nbytes)
-        slot = index % len(self.ring)
-        if self.ring[slot] is None:
-            self.ring[slot] = self._fresh(self.slot_bytes)
-        elif self.consumed[slot] is not None:
-            self.stream.wait_event(self.consumed[slot])
-        return self.ring[slot][:nbytes]
+        self.filled += 1
+        self.slot = self.filled % len(self.ring)
+        if self.ring[self.slot] is None:
+            self.ring[self.slot] = self._fresh(self.slot_bytes)
+        elif self.consumed[self.slot] is not None:
+            self.stream.wait_event(self.consumed[self.slot])
+        return self.ring[self.slot][:nbytes]
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor):
         """Start ``dst <- src``; returns the event after which ``src`` may be refilled (None: it may now)."""
@@ -184,10 +173,10 @@ class _Staging:
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_event(self.stream.record_event())
 
-    def release(self, index: int, nbytes: int) -> None:
-        """The consumer has issued all its work on the unit at ``index``."""
-        if self.cuda and nbytes <= self.slot_bytes:
-            self.consumed[index % len(self.ring)] = torch.cuda.current_stream(self.device).record_event()
+    def release(self) -> None:
+        """The consumer has issued all its work on the unit last acquired."""
+        if self.cuda and self.slot is not None:
+            self.consumed[self.slot] = torch.cuda.current_stream(self.device).record_event()
 
 
 def _view(buf: torch.Tensor, unit: _Unit, t: TensorEntry) -> torch.Tensor:
@@ -208,49 +197,102 @@ def stream_safetensors(files: list[Path], device, *, chunk_bytes: int | None = N
     device = torch.device(device)
     chunk_bytes, read_bytes = chunk_bytes or CHUNK_BYTES, read_bytes or READ_BYTES
     units = [u for f in files for u in _units(f, read_header(f), chunk_bytes)]
-    pieces = [(i, off, min(read_bytes, u.end - off)) for i, u in enumerate(units)
-              for off in range(u.start, u.end, read_bytes)]
     if not units:
         return
-    cuda = device.type == "cuda"
-    piece_bytes = max((n for _, _, n in pieces), default=0)
-    host = [torch.empty(piece_bytes, dtype=torch.uint8, pin_memory=cuda)
-            for _ in range(min(host_buffers or HOST_BUFFERS, max(len(pieces), 1)))]
-    host_views = [memoryview(h.numpy()) for h in host]
-    copied: list = [None] * len(host)  # per pinned buffer: the event after which it may be refilled
     small = [u.end - u.start for u in units if u.end - u.start <= chunk_bytes]
     staging = _Staging(device, max(small, default=0), device_buffers or DEVICE_BUFFERS)
-    fds = {f: os.open(f, os.O_RDONLY) for f in dict.fromkeys(u.file for u in units)}
-    pool = ThreadPoolExecutor(max_workers=threads or READ_THREADS, thread_name_prefix="cudaformers-read")
-    reads: deque = deque()
-
-    def submit(p: int) -> None:
-        i, offset, nbytes = pieces[p]
-        b = p % len(host)
-        reads.append(pool.submit(_read, fds[units[i].file], units[i].file, units[i], host_views[b][:nbytes],
-                                 offset, copied[b]))
-
+    reader = _ReadAhead(units, read_bytes, host_buffers or HOST_BUFFERS, threads or READ_THREADS,
+                        pinned=staging.cuda)
     try:
-        for p in range(min(len(host), len(pieces))):
-            submit(p)
-        p = 0
-        for i, unit in enumerate(units):
-            buf = staging.acquire(i, unit.end - unit.start)
-            while p < len(pieces) and pieces[p][0] == i:
-                _, offset, nbytes = pieces[p]
-                reads.popleft().result()  # re-raises a reader's error here
-                copied[p % len(host)] = staging.copy(buf[offset - unit.start: offset - unit.start + nbytes],
-                                                     host[p % len(host)][:nbytes])
-                if p + len(host) < len(pieces):
-                    submit(p + len(host))
-                p += 1
+        for unit in units:
+            buf = staging.acquire(unit.end - unit.start)
+            for offset in range(unit.start, unit.end, read_bytes):
+                at = offset - unit.start
+                reader.refill_after(staging.copy(buf[at: at + min(read_bytes, unit.end - offset)], reader.take()))
             staging.publish()
             for t in unit.entries:
                 yield t.name, _view(buf, unit, t), unit.file
-            staging.release(i, unit.end - unit.start)
+            staging.release()
     finally:
-        for r in reads:
+        reader.close(staging.stream)
+
+
+class _ReadAhead:
+    """The units' bytes in pieces of ``read_bytes``, read in order by a pool of threads into a ring of
+    (pinned) host buffers, as far ahead as the ring allows."""
+
+    def __init__(self, units: list[_Unit], read_bytes: int, buffers: int, threads: int, pinned: bool):
+        self.pieces = [(u, off, min(read_bytes, u.end - off))
+                       for u in units for off in range(u.start, u.end, read_bytes)]
+        size = max((n for _, _, n in self.pieces), default=0)
+        self.host = [torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
+                     for _ in range(max(1, min(buffers, len(self.pieces))))]
+        self.views = [memoryview(h.numpy()) for h in self.host]
+        self.copied: list = [None] * len(self.host)  # per buffer: the event after which it may be refilled
+        self.pinned, self.reads, self.submitted, self.taken = pinned, deque(), 0, 0
+        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="cudaformers-read")
+        self.fds: dict[Path, int] = {}
+        try:
+            for u in units:
+                if u.file not in self.fds:
+                    self.fds[u.file] = os.open(u.file, os.O_RDONLY)
+            for _ in self.host:
+                self._submit()
+        except BaseException:
+            self.close(None)
+            raise
+
+    def _submit(self) -> None:
+        if self.submitted < len(self.pieces):
+            unit, offset, nbytes = self.pieces[self.submitted]
+            b = self.submitted % len(self.host)
+            self.reads.append(self.pool.submit(_read, self.fds[unit.file], unit, self.views[b][:nbytes], offset,
+                                               self.copied[b]))
+            self.submitted += 1
+
+    def take(self) -> torch.Tensor:
+        """The host buffer holding the next piece (waits for its read; re-raises the reader's error)."""
+        self.reads.popleft().result()
+        return self.host[self.taken % len(self.host)][:self.pieces[self.taken][2]]
+
+    def refill_after(self, event) -> None:
+        """The buffer last taken may be refilled once ``event`` has passed (None: now)."""
+        self.copied[self.taken % len(self.host)] = event
+        self.taken += 1
+        self._submit()
+
+    def close(self, stream) -> None:
+        for r in self.reads:
             r.cancel()
-        pool.shutdown(wait=True)  # no reader may still write into a buffer once we return
-        for fd in fds.values():
+        self.pool.shutdown(wait=True)  # no reader may still write into a buffer once we return
+        for fd in self.fds.values():
             os.close(fd)
+        if self.pinned:
+            if stream is not None:
+                stream.synchronize()  # copies out of the pinned buffers
+            self.host, self.views = [], []
+            _release_pinned_memory()
+
+
+def _read(fd: int, unit: _Unit, buf: memoryview, offset: int, after) -> None:
+    """Fill ``buf`` from ``offset`` of the file (in a reader thread: pread releases the GIL)."""
+    if after is not None:
+        after.synchronize()  # the previous copy out of this buffer has finished
+    done = 0
+    while done < len(buf):
+        n = os.preadv(fd, [buf[done:]], offset + done)
+        if n == 0:
+            at = offset + done
+            name = next((t.name for t in unit.entries if t.begin <= at < t.end), "?")
+            raise CheckpointError(f"{unit.file}: ends at byte {at}, inside tensor {name!r}; the file is truncated "
+                                  "(or was changed while loading): download it again")
+        done += n
+
+
+def _release_pinned_memory() -> None:
+    # torch keeps freed pinned blocks for reuse; a few hundred MiB of page-locked memory is not
+    # worth keeping for the rest of the process. The call moved between torch versions.
+    accelerator = getattr(torch, "accelerator", None)
+    empty = getattr(accelerator, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None:
+        empty()
