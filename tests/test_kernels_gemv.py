@@ -1,5 +1,5 @@
-"""The decode GEMV (plain, and with the gated activation fused into its input) against F.linear on odd and
-power-of-two shapes, all dtypes."""
+"""The decode GEMV (plain, with the gated activation fused into its input, and with the RMSNorm that feeds
+it folded in) against F.linear on odd and power-of-two shapes, all dtypes."""
 
 import os
 
@@ -9,7 +9,9 @@ import torch.nn.functional as F
 
 import cudaformers.kernels.gemv as gemv_module
 from cudaformers.errors import UnsupportedError
-from cudaformers.kernels.gemv import gemv, gemv_act_mul, gemv_applies, linear
+from cudaformers.kernels.gemv import (gemv, gemv_act_mul, gemv_applies, gemv_rms_norm, gemv_rms_norm_reference,
+                                      linear)
+from cudaformers.kernels.rms_norm import rms_norm
 from cudaformers.layers.activation import act_and_mul_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -104,3 +106,82 @@ def test_gemv_applies():
         assert not gemv_applies(w, torch.randn(5, 32, device=DEVICE))  # prefill-sized
         assert not gemv_applies(w, x, x.double())  # mixed dtypes
     assert not gemv_applies(w, x, x.requires_grad_())  # autograd through up
+
+
+def _norm_inputs(m, n, k, dtype, strided, seed):
+    g = torch.Generator().manual_seed(seed)
+    if strided:  # rows of a wider activation, as slices of a packed output produce them
+        x = torch.randn(m, k + 24, generator=g)[:, 8:8 + k]
+        assert x.stride(0) == k + 24
+    else:
+        x = torch.randn(m, k, generator=g)
+    residual = torch.randn(m, k, generator=g) * 4
+    norm_w = 1 + 0.3 * torch.randn(k, generator=g)
+    w = torch.randn(n, k, generator=g) / k ** 0.5
+    b = torch.randn(n, generator=g)
+    return [t.to(DEVICE, dtype) for t in (x, residual, norm_w, w, b)]
+
+
+# (m, n, k, one K tile): on the interpreter's 8 "SMs", n = 1000 takes 16 weight rows a program and
+# 256 columns a K step, so k = 300 and 513 span several tiles (pass 1 loops, as qwen3-8b's 4096 does).
+NORM_SHAPES = [(1, 8, 32, True), (1, 37, 100, True), (3, 64, 256, True), (4, 130, 77, True),
+               (2, 1000, 300, False), (1, 1000, 513, False)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m,n,k,one_tile", NORM_SHAPES)
+@pytest.mark.parametrize("residual", [True, False])
+def test_gemv_rms_norm_matches_reference(m, n, k, one_tile, residual, dtype):
+    x, r, norm_w, w, b = _norm_inputs(m, n, k, dtype, strided=m > 1, seed=m * 1000 + n + k)
+    r = r if residual else None
+    out = gemv_rms_norm(x, w, norm_w, 1e-6, r, b)
+    got, s = out if residual else (out, None)
+    ref = gemv_rms_norm_reference(x, w, norm_w, 1e-6, r, b)
+    exact = gemv_rms_norm_reference(*(t.double() if t is not None else None for t in (x, w, norm_w)), 1e-6,
+                                    r.double() if residual else None, b.double())
+    exact, ref = (exact[0], ref[0]) if residual else (exact, ref)
+    err, tol = _tolerance(got, exact, ref, dtype)
+    assert got.dtype == dtype and got.shape == (m, n)
+    assert err <= tol, (err, tol)
+    if residual:
+        # x + residual as PyTorch rounds it; the interpreter rounds half types toward zero: one ulp
+        ulp = {torch.float32: 0.0, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}[dtype]
+        want_s = (x + r).double()
+        assert s.shape == x.shape and s.dtype == dtype and s.is_contiguous()
+        assert ((s.double() - want_s).abs() <= ulp * want_s.abs()).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m,n,k,one_tile", NORM_SHAPES)
+def test_gemv_rms_norm_rounds_like_the_unfused_kernels(m, n, k, one_tile, dtype):
+    """Against rms_norm's kernel, then the GEMV: the same rounding steps, so the same bits, except
+    where the sum of squares is associated differently: over several K tiles here (rms_norm sums a
+    row in one tile), or by another reduction tree on a GPU. That changes rstd by an ulp of fp32."""
+    x, r, norm_w, w, b = _norm_inputs(m, n, k, dtype, strided=True, seed=k)
+    got, s = gemv_rms_norm(x, w, norm_w, 1e-6, r, b)
+    normed, want_s = rms_norm(x, norm_w, 1e-6, r)
+    want = gemv(normed, w, b)
+    assert torch.equal(s, want_s)
+    assert torch.equal(gemv_rms_norm(x, w, norm_w, 1e-6), gemv(rms_norm(x, norm_w, 1e-6), w)) or not one_tile
+    if one_tile and DEVICE == "cpu":
+        assert torch.equal(got, want)
+    else:
+        # an ulp of rstd moves each normed input by at most an ulp of the dtype (fp32: a few 1e-7)
+        ulp = {torch.float32: 2.0 ** -22, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}[dtype]
+        bound = ulp * (normed.float().abs() @ w.float().abs().T).max() + ulp * want.float().abs().max()
+        assert (got.float() - want.float()).abs().max() <= bound
+
+
+def test_gemv_rms_norm_leading_dims_and_bad_inputs():
+    x, r, norm_w, w, _ = _norm_inputs(2, 40, 96, torch.float32, strided=False, seed=5)
+    got, s = gemv_rms_norm(x.view(1, 2, 96), w, norm_w, 1e-5, r.view(1, 2, 96))
+    assert got.shape == (1, 2, 40) and s.shape == (1, 2, 96)
+    want, want_s = gemv_rms_norm_reference(x, w, norm_w, 1e-5, r)
+    torch.testing.assert_close(got.view(2, 40), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(s.view(2, 96), want_s, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="residual"):
+        gemv_rms_norm(x, w, norm_w, 1e-6, r[:1])
+    with pytest.raises(ValueError, match="norm weight"):
+        gemv_rms_norm(x, w, norm_w.double(), 1e-6, r)
+    with pytest.raises(ValueError, match="norm weight"):
+        gemv_rms_norm(x, w, norm_w[:95], 1e-6, r)
