@@ -28,6 +28,8 @@ CASES = {
     "gemv": ("weights", True),
     "gemv_k_loop": ("weights", True),
     "gemv_act_mul": ("weights", True),
+    "gemv_rms_norm": ("weights", True),
+    "gemv_rms_norm_k_loop": ("weights", True),
     "rms_norm": ("weights", False),
     "rms_norm_residual": ("weights", False),
     "qk_norm_rope": ("weights", False),
@@ -52,6 +54,12 @@ def _cases():
         "gemv": (gemv, "_gemv_kernel", lambda: gemv.gemv(x, w)),
         "gemv_k_loop": (gemv, "_gemv_kernel", lambda: gemv.gemv(*big_k)),
         "gemv_act_mul": (gemv, "_gemv_kernel", lambda: gemv.gemv_act_mul(x, x, w, activation="silu")),
+        # Through _launch: gemv_rms_norm wants the norm weight in x's dtype, and here it must be bf16.
+        "gemv_rms_norm": (gemv, "_gemv_kernel", lambda: gemv._launch(
+            x, x.clone(), w, None, gemv._NO_ACT, norm=(w[0], 1e-6, torch.empty_like(x)))),
+        "gemv_rms_norm_k_loop": (gemv, "_gemv_kernel", lambda: gemv._launch(
+            big_k[0], big_k[0].clone(), big_k[1], None, gemv._NO_ACT,
+            norm=(big_k[1][0], 1e-6, torch.empty_like(big_k[0])))),
         "rms_norm": (rms_norm, "_rms_norm_fwd", lambda: rms_norm.rms_norm_forward(x, w[0], 1e-6, pdl=True)),
         "rms_norm_residual": (rms_norm, "_rms_norm_fwd",
                               lambda: rms_norm.rms_norm_forward(x, w[0], 1e-6, residual=x, pdl=True)),
