@@ -231,3 +231,29 @@ def test_streamed_shape_mismatch_names_tensor_and_file(streamed, tmp_path):
     with pytest.raises(CheckpointError, match="model.safetensors.*mlp.*shape"):
         AutoModelForCausalLM.from_pretrained(folder)
     assert not [t for t in threading.enumerate() if t.name.startswith("cudaformers-read")]
+
+
+def test_stream_target_is_the_one_gpu_holding_everything(monkeypatch):
+    from types import SimpleNamespace
+
+    def params(*devices):
+        return {f"p{i}": SimpleNamespace(device=torch.device(d)) for i, d in enumerate(devices)}
+
+    assert pretrained._stream_target(params("cuda:0", "cuda:0")) == torch.device("cuda:0")
+    assert pretrained._stream_target(params("cuda:0", "cuda:1")) is None  # device_map across GPUs
+    assert pretrained._stream_target(params("cuda:0", "cpu")) is None  # offloaded
+    assert pretrained._stream_target(params("cpu")) is None
+    monkeypatch.setenv("CUDAFORMERS_STREAM_LOAD", "0")
+    assert pretrained._stream_target(params("cuda:0")) is None
+
+
+def test_load_throughput_is_logged_and_explained(streamed, caplog):
+    with caplog.at_level("INFO", logger="cudaformers"):
+        model = AutoModelForCausalLM.from_pretrained(tiny.checkpoint("llama"))
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("loaded weights:"))
+    assert "GB/s, streamed to cpu" in line and line.endswith(model._choices["weights"])
+
+
+def test_cpu_models_read_the_mapped_files_in_place():
+    model = AutoModelForCausalLM.from_pretrained(tiny.checkpoint("llama"), device_map="cpu")
+    assert "GB/s, read in place" in model.explain()
