@@ -257,3 +257,17 @@ def test_load_throughput_is_logged_and_explained(streamed, caplog):
 def test_cpu_models_read_the_mapped_files_in_place():
     model = AutoModelForCausalLM.from_pretrained(tiny.checkpoint("llama"), device_map="cpu")
     assert "GB/s, read in place" in model.explain()
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_streamed_moe_experts_equal_in_place(monkeypatch, name):
+    # Per-expert checkpoint tensors go to the stacked experts' loader.
+    from tests.test_moe_models import checkpoint
+
+    folder = checkpoint(name)
+    in_place = _params(AutoModelForCausalLM.from_pretrained(folder))
+    monkeypatch.setattr(pretrained, "_stream_target", lambda params: torch.device("cpu"))
+    monkeypatch.setattr(streaming, "CHUNK_BYTES", 3000)
+    got = _params(AutoModelForCausalLM.from_pretrained(folder))
+    assert got.keys() == in_place.keys()
+    assert all(torch.equal(got[n], in_place[n]) for n in got)
