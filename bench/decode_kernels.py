@@ -11,12 +11,15 @@ graph-replayed decode step sees them (no Python or launch overhead from the host
     its input (gate/up views of the packed gate/up output, I=3072 -> H=1024);
   * silu(gate) * up on the packed gate/up views at T=32: with the copies to contiguous inputs the
     kernel used to make vs reading the views through their row stride;
+  * residual add + RMSNorm feeding the packed q/k/v and gate/up GEMVs at T=1: rms_norm + GEMV vs the
+    GEMV with the norm folded in (gemv_rms_norm), cycling through weight copies that overflow L2;
   * paged decode at several contexts and graph capacities (generate() captures with its cache
     capacity, the engine with up to 16k), with the automatic split plan vs a single split.
-A second table: one decoder layer's GEMV + norm chain at T=1 (rms_norm -> qkv GEMV -> o GEMV ->
-rms_norm + residual -> gate/up GEMV -> gated down GEMV) at qwen3-0.6b and qwen3-8b shapes, replayed
-in a CUDA graph with programmatic dependent launch off (CUDAFORMERS_PDL=0) and on: us per layer and
-the weight bandwidth it reaches. Layers cycle through enough distinct weights to keep L2 cold.
+A second table: one decoder layer's GEMV + norm chain at T=1 (rms_norm + residual -> qkv GEMV -> o
+GEMV -> rms_norm + residual -> gate/up GEMV -> gated down GEMV) at qwen3-0.6b and qwen3-8b shapes,
+replayed in a CUDA graph with programmatic dependent launch off (CUDAFORMERS_PDL=0) and on, and on
+with both norms folded into the GEMVs after them (4 launches): us per layer and the weight bandwidth
+it reaches. Layers cycle through enough distinct weights to keep L2 cold.
 The first table runs with the default (PDL on where the GPU supports it).
 """
 
@@ -32,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import graph_us  # noqa: E402
 from cudaformers.kernels.activation import act_and_mul, act_and_mul_forward  # noqa: E402
-from cudaformers.kernels.gemv import gemv, gemv_act_mul  # noqa: E402
+from cudaformers.kernels.gemv import gemv, gemv_act_mul, gemv_rms_norm  # noqa: E402
 from cudaformers.kernels.kv_store import store_kv_triton  # noqa: E402
 from cudaformers.kernels.paged_decode import paged_decode, split_plan  # noqa: E402
 from cudaformers.kernels.pdl import pdl_enabled  # noqa: E402
@@ -107,13 +110,32 @@ def act_mul_rows(t: int):
     return [(f"silu*up on packed views, T={t}", "2 copies + act", graph_us(old), "strided act", graph_us(new))]
 
 
+def norm_gemv_rows(t: int):
+    rows = []
+    for what, n, copies in (("q/k/v", (HQ + 2 * HKV) * D, 8), ("gate/up", 2 * INTERMEDIATE, 6)):
+        weights = [torch.randn(n, HIDDEN, device=DEV, dtype=DTYPE) / HIDDEN ** 0.5 for _ in range(copies)]
+        x, residual = (torch.randn(t, HIDDEN, device=DEV, dtype=DTYPE) for _ in range(2))
+        norm_w = torch.rand(HIDDEN, device=DEV, dtype=DTYPE) + 0.5
+
+        def old(w):
+            return lambda: gemv(rms_norm(x, norm_w, 1e-6, residual=residual)[0], w)
+
+        def new(w):
+            return lambda: gemv_rms_norm(x, w, norm_w, 1e-6, residual)
+
+        rows.append((f"add + rms_norm + {what} proj, T={t}", "norm + gemv", graph_us([old(w) for w in weights]),
+                     "folded gemv", graph_us([new(w) for w in weights])))
+    return rows
+
+
 # name -> (hidden, q heads, kv heads, head dim, intermediate, distinct layers to cycle through)
 LAYER_SHAPES = {"qwen3-0.6b": (1024, 16, 8, 128, 3072, 8), "qwen3-8b": (4096, 32, 8, 128, 12288, 2)}
 LAYER_REPEATS = 4  # passes over the distinct layers per graph
 
 
 def layer_chain_row(name: str):
-    """(name, us per layer PDL off, on, weight GB per layer) for one decoder layer's GEMV + norm chain."""
+    """(name, us per layer: PDL off, on, on with the norms folded; weight GB per layer) for one decoder
+    layer's GEMV + norm chain."""
     hidden, hq, hkv, d, inter, n_layers = LAYER_SHAPES[name]
 
     def w(*shape):
@@ -126,25 +148,35 @@ def layer_chain_row(name: str):
     x = torch.randn(1, hidden, device=DEV, dtype=DTYPE)
 
     def model():
-        h = x
+        h, residual = x, x
         for _ in range(LAYER_REPEATS):
             for p in layers:
-                qkv = gemv(rms_norm(h, p["n1"], 1e-6), p["qkv"])
+                normed, residual = rms_norm(h, p["n1"], 1e-6, residual=residual)
+                qkv = gemv(normed, p["qkv"])
                 o = gemv(qkv[:, :hq * d], p["o"])  # attention left out: q stands in for its output
-                normed, h = rms_norm(o, p["n2"], 1e-6, residual=h)
+                normed, residual = rms_norm(o, p["n2"], 1e-6, residual=residual)
                 gate_up = gemv(normed, p["gate_up"])
                 h = gemv_act_mul(gate_up[:, :inter], gate_up[:, inter:], p["down"])
 
+    def folded():
+        h, residual = x, x
+        for _ in range(LAYER_REPEATS):
+            for p in layers:
+                qkv, residual = gemv_rms_norm(h, p["qkv"], p["n1"], 1e-6, residual)
+                o = gemv(qkv[:, :hq * d], p["o"])
+                gate_up, residual = gemv_rms_norm(o, p["gate_up"], p["n2"], 1e-6, residual)
+                h = gemv_act_mul(gate_up[:, :inter], gate_up[:, inter:], p["down"])
+
     times, saved = {}, os.environ.get("CUDAFORMERS_PDL")
-    for pdl in ("0", "1"):
+    for key, pdl, chain in (("off", "0", model), ("on", "1", model), ("folded", "1", folded)):
         os.environ["CUDAFORMERS_PDL"] = pdl  # read at each launch, so at capture
         assert pdl_enabled(x.device) == (pdl == "1")
-        times[pdl] = graph_us(model, reps=1) / (LAYER_REPEATS * n_layers)
+        times[key] = graph_us(chain, reps=1) / (LAYER_REPEATS * n_layers)
     if saved is None:
         del os.environ["CUDAFORMERS_PDL"]
     else:
         os.environ["CUDAFORMERS_PDL"] = saved
-    return name, times["0"], times["1"], weight_bytes / 1e9
+    return name, times["off"], times["on"], times["folded"], weight_bytes / 1e9
 
 
 def paged_decode_rows(batch: int):
@@ -178,7 +210,7 @@ def main() -> None:
     with torch.inference_mode():
         for t in (1, 32):
             rows += norm_rope_rows(t) + kv_store_rows(t)
-        rows += act_down_rows(1) + act_mul_rows(32)
+        rows += act_down_rows(1) + act_mul_rows(32) + norm_gemv_rows(1)
         for batch in (1, 32):
             rows += paged_decode_rows(batch)
         hopper = torch.cuda.get_device_capability()[0] >= 9
@@ -192,10 +224,12 @@ def main() -> None:
     if not pdl_rows:
         print("\nprogrammatic dependent launch: not available here (needs sm90+), layer chain not timed")
         return
-    print(f"\none decoder layer's GEMV + norm chain (6 launches), T=1, {str(DTYPE)[6:]}, graph replay:")
-    header = ("shape", "weights MB", "PDL off us", "GB/s", "PDL on us", "GB/s", "speedup")
+    print(f"\none decoder layer's GEMV + norm chain (6 launches; 4 with the norms folded), T=1, {str(DTYPE)[6:]}, "
+          "graph replay:")
+    header = ("shape", "weights MB", "PDL off us", "GB/s", "PDL on us", "GB/s", "folded us", "GB/s", "vs off")
     table = [header] + [(name, f"{gb * 1e3:.1f}", f"{off:.2f}", f"{gb / off * 1e6:.0f}", f"{on:.2f}",
-                         f"{gb / on * 1e6:.0f}", f"{off / on:.2f}x") for name, off, on, gb in pdl_rows]
+                         f"{gb / on * 1e6:.0f}", f"{fold:.2f}", f"{gb / fold * 1e6:.0f}", f"{off / fold:.2f}x")
+                        for name, off, on, fold, gb in pdl_rows]
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
     for r in table:
         print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
