@@ -134,12 +134,12 @@ def _gguf_tensors(path: Path, dtype):
 def _stream_target(params) -> torch.device | None:
     """The GPU a safetensors checkpoint streams to: the one CUDA device holding every parameter.
     Models on the CPU, across devices or offloaded read the memory-mapped files in place;
-    CUDAFORMERS_STREAM_LOAD=0 makes GPU loads do so too."""
+    Streaming is opt-in (CUDAFORMERS_STREAM_LOAD=1) until it has been measured and checked on a GPU;
+    by default GPU loads copy tensor by tensor from the mapped files too."""
     devices = {p.device for p in params.values()}
     if len(devices) != 1 or next(iter(devices)).type != "cuda":
         return None
-    if os.environ.get("CUDAFORMERS_STREAM_LOAD", "1") == "0":
-        logger.info("CUDAFORMERS_STREAM_LOAD=0: weights are copied tensor by tensor from the mapped files")
+    if os.environ.get("CUDAFORMERS_STREAM_LOAD", "0") != "1":
         return None
     return next(iter(devices))
 
