@@ -72,18 +72,22 @@ def test_logits_equal_the_unfused_kernels_at_and_past_the_row_limit(rows, folds)
     ids = torch.randint(3, 211, (1, rows), generator=torch.Generator().manual_seed(rows))
     with torch.no_grad():
         got, want = fused(ids).logits, unfused(ids).logits
-    # The folded norm rounds as the unfused kernel does; only the order of the sum of squares may differ.
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # The folded norm rounds as the unfused kernel does, and on the interpreter (numpy) a row of one
+    # K tile sums its squares in the same order: the same bits.
+    assert torch.equal(got, want)
     assert folds == ([rows] * 2 * len(fused.model.layers) if rows <= 4 else [])
 
 
-def test_bf16_decode_logits_and_tokens():
+def test_bf16_decode_logits_and_tokens(folds):
     unfused, fused = _models("qwen3_tied", torch.bfloat16)
     ids = torch.randint(3, 211, (1, 5), generator=torch.Generator().manual_seed(3))
-    assert torch.equal(fused.generate(ids, **GREEDY), unfused.generate(ids, **GREEDY))
+    greedy = {**GREEDY, "max_new_tokens": 5}
+    assert torch.equal(fused.generate(ids, **greedy), unfused.generate(ids, **greedy))
     with torch.no_grad():
         one = ids[:, :1]
-        torch.testing.assert_close(fused(one).logits, unfused(one).logits, atol=2e-2, rtol=2e-2)
+        assert torch.equal(fused(one).logits, unfused(one).logits)  # bf16 rounding steps as in rms_norm
+    decode_steps = greedy["max_new_tokens"] - 1
+    assert len(folds) == (decode_steps + 1) * 2 * len(fused.model.layers)  # and the one-token forward
 
 
 def test_autograd_takes_the_plain_path(folds):
