@@ -65,7 +65,7 @@ def _fold(norm: RMSNorm, packed: PackedLinear | None, hidden, residual):
 
 
 def _attention_past_projections(attn: Attention, qkv: torch.Tensor, cos, sin, batch) -> torch.Tensor:
-    # Attention.forward after project_qkv (only taken when that is the layer's forward).
+    # Attention.forward after project_qkv.
     t, d = qkv.shape[0], attn.head_dim
     q, k, v = (p.view(t, -1, d) for p in qkv.split(attn.packed_qkv.sizes, dim=-1))
     q, k = attn.rotary(q, k, cos, sin, attn.q_norm, attn.k_norm)
@@ -82,25 +82,27 @@ def _mlp_past_projections(mlp: GatedMLP, gate_up: torch.Tensor) -> torch.Tensor:
     return mlp.down_proj(mlp.act_fn(gate, up))  # GatedMLP.forward, past the projections
 
 
-def _attention_folds(attn) -> bool:
-    return (type(attn) is Attention and "forward" not in attn.__dict__ and _unhooked(attn)
-            and "project_qkv" in attn.__dict__)  # packed by fuse_projections
+def _qkv_packed(attn) -> PackedLinear | None:
+    # Attention.forward is replicated past the projections: only for that exact forward.
+    if type(attn) is not Attention or "forward" in attn.__dict__ or not _unhooked(attn):
+        return None
+    return _packed(attn, "packed_qkv", (attn.q_proj, attn.k_proj, attn.v_proj))
 
 
-def _mlp_folds(mlp) -> bool:
+def _gate_up_packed(mlp) -> PackedLinear | None:
     from .hub import _fused_mlp_decode
 
     bound = mlp.__dict__.get("forward")
-    return (type(mlp) is GatedMLP and _unhooked(mlp) and "project_gate_up" in mlp.__dict__
-            and (bound is None or getattr(bound, "__func__", None) is _fused_mlp_decode))
+    if type(mlp) is not GatedMLP or not _unhooked(mlp) or (
+            bound is not None and getattr(bound, "__func__", None) is not _fused_mlp_decode):
+        return None
+    return _packed(mlp, "packed_gate_up", (mlp.gate_proj, mlp.up_proj))
 
 
 def fused_norm_decode_forward(self, hidden, residual, cos, sin, batch):
     """``DecoderLayer.forward`` with each norm folded into the GEMV after it where that is exact."""
     attn, mlp = self.self_attn, self.mlp
-    qkv_folds = _attention_folds(attn)
-    folded = _fold(self.input_layernorm, _packed(attn, "packed_qkv", (attn.q_proj, attn.k_proj, attn.v_proj))
-                   if qkv_folds else None, hidden, residual)
+    folded = _fold(self.input_layernorm, _qkv_packed(attn), hidden, residual)
     if folded is not None:
         qkv, residual = folded
         hidden = _attention_past_projections(attn, qkv, cos, sin, batch)
@@ -112,8 +114,8 @@ def fused_norm_decode_forward(self, hidden, residual, cos, sin, batch):
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = attn(hidden, cos, sin, batch)
 
-    folded = _fold(self.post_attention_layernorm, _packed(mlp, "packed_gate_up", (mlp.gate_proj, mlp.up_proj))
-                   if _mlp_folds(mlp) else None, hidden, residual)
+    # The exact class is DecoderLayer (the hub's predicate), so feed_forward is the MLP itself.
+    folded = _fold(self.post_attention_layernorm, _gate_up_packed(mlp), hidden, residual)
     if folded is not None:
         gate_up, residual = folded
         return _mlp_past_projections(mlp, gate_up), residual
