@@ -65,12 +65,7 @@ def _fold(norm: RMSNorm, packed: PackedLinear | None, hidden, residual):
 
 
 def _attention_past_projections(attn: Attention, qkv: torch.Tensor, cos, sin, batch) -> torch.Tensor:
-    # Attention.forward after project_qkv.
-    t, d = qkv.shape[0], attn.head_dim
-    q, k, v = (p.view(t, -1, d) for p in qkv.split(attn.packed_qkv.sizes, dim=-1))
-    q, k = attn.rotary(q, k, cos, sin, attn.q_norm, attn.k_norm)
-    out = attn.backend(q, k, v, batch, attn.layer_idx, attn.scaling, attn.sliding_window)
-    return attn.o_proj(out.reshape(t, -1))
+    return attn.attend(*qkv.split(attn.packed_qkv.sizes, dim=-1), cos, sin, batch)
 
 
 def _mlp_past_projections(mlp: GatedMLP, gate_up: torch.Tensor) -> torch.Tensor:
@@ -83,7 +78,7 @@ def _mlp_past_projections(mlp: GatedMLP, gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def _qkv_packed(attn) -> PackedLinear | None:
-    # Attention.forward is replicated past the projections: only for that exact forward.
+    # The fold replaces project_qkv inside Attention.forward: only for that exact forward.
     if type(attn) is not Attention or "forward" in attn.__dict__ or not _unhooked(attn):
         return None
     return _packed(attn, "packed_qkv", (attn.q_proj, attn.k_proj, attn.v_proj))

@@ -49,8 +49,11 @@ class Attention(nn.Module):
         return self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch) -> torch.Tensor:
-        t, d = hidden.shape[0], self.head_dim
-        q, k, v = self.project_qkv(hidden)
+        return self.attend(*self.project_qkv(hidden), cos, sin, batch)
+
+    def attend(self, q, k, v, cos: torch.Tensor, sin: torch.Tensor, batch) -> torch.Tensor:
+        """Everything after the projections: q, k, v ``[T, N*D]`` (views are fine) -> ``[T, hidden]``."""
+        t, d = q.shape[0], self.head_dim
         # -1 head counts: under tensor parallelism each rank holds a slice of the heads.
         q, k, v = q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)
         q, k = self.rotary(q, k, cos, sin, self.q_norm, self.k_norm)
