@@ -167,12 +167,14 @@ def plan(config, *, task: str = "train", batch: int = 1, seq: int = 2048, gpus: 
         else:
             p.rows.append(("activations", tokens * s.layers * per_layer + tokens * s.hidden * 4))
         if fused_loss:
-            # One chunk of logits, plus the gradients it computes in the forward pass and keeps.
+            # One chunk of logits and the hidden-state gradient the loss computes in its forward. The
+            # lm-head weight gradient it also computes there becomes that weight's .grad: counted once,
+            # under gradients.
             from ..kernels.loss_chunks import chunk_rows
 
             chunk = chunk_rows(tokens, s.vocab, act_b)
-            p.rows.append(("loss (fused linear+CE: a chunk + saved grads)",
-                           chunk * s.vocab * act_b + tokens * s.hidden * act_b + s.vocab * s.hidden * 4))
+            p.rows.append(("loss (fused linear+CE: a logits chunk + the hidden gradient)",
+                           chunk * s.vocab * act_b + tokens * s.hidden * act_b))
         else:
             p.rows.append(("logits + fp32 loss + gradient", tokens * s.vocab * (act_b + 4 + 4)))
             p.notes.append("the full logits dominate; cudaformers' fused linear+cross-entropy (use_kernels=True) "
