@@ -2,6 +2,7 @@
 # One GPU session's worth of checks and benchmarks, each under its own time limit so that one slow
 # or failing part cannot starve the rest. Logs go to $OUT (or ./out). Usage:
 #   COMMIT=$(git rev-parse --short HEAD) bash bench/gpu_session.sh [part ...]
+# Carry .tcache (with triton-cache.tgz from the last call's $OUT) to reuse compiled kernels.
 # Parts (default: all, in this order): generate train engine kernels-tests kernels-bench decode-profile;
 # tests:NAME runs tests/gpu/test_NAME_gpu.py alone (8 workers), e.g. tests:quant. Pytest runs are verbose
 # so that a part cut by its limit still names its failures in the log.
@@ -11,6 +12,15 @@ export PYTHONPATH="${PYTHONPATH:-$PWD}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELIS
 export TRITON_CACHE_AUTOTUNING=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT="${OUT:-out}"; mkdir -p "$OUT"
+# A fresh machine compiles and autotunes every kernel again: a cache from an earlier call of the same
+# machine type (.tcache/triton-cache.tgz, carried) is restored first, and the cache goes back in $OUT.
+export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/tmp/tcache}"; mkdir -p "$TRITON_CACHE_DIR"
+[ -f .tcache/triton-cache.tgz ] && tar xzf .tcache/triton-cache.tgz -C "$TRITON_CACHE_DIR" 2>/dev/null
+save_cache() {  # at most 15 MiB comes back (the transfer limit is 16 MiB a file)
+  tar czf "$OUT/triton-cache.tgz" -C "$TRITON_CACHE_DIR" . 2>/dev/null
+  [ "$(stat -c %s "$OUT/triton-cache.tgz" 2>/dev/null || echo 0)" -le $((15 << 20)) ] || rm -f "$OUT/triton-cache.tgz"
+}
+trap save_cache EXIT
 parts=("$@"); [ ${#parts[@]} -eq 0 ] && parts=(generate train engine kernels-tests kernels-bench decode-profile)
 run() {  # name, seconds (LIMIT_<name> overrides), command...
   local name=$1 var="LIMIT_${1//-/_}"; local limit=${!var:-$2}; shift 2
