@@ -3,11 +3,13 @@
 256 requests, prompt lengths uniform in [100, 1024] (random.Random(0)), token ids uniform in
 [1000, 100000), 256 new tokens each, greedy, EOS ignored, qwen3-0.6b random bf16 weights.
 
-    python bench/serve_offline.py [--requests 256] [--skip-hf] [--ablate] [--attn triton]
+    python bench/serve_offline.py [--requests 256] [--skip-hf] [--ablate] [--attn triton] [--check-generate 16]
 
 Both stacks get one small warm-up call on other prompts, then one timed call (end to end: request
 submission to the last token). --ablate also times ours without CUDA graphs and without async
-batching. Prints a table and a JSON line.
+batching. After the timed run, the first 16 requests also run through generate() alone: how often the
+engine's bf16 tokens equal them (greedy exactness is tested in fp32 on the CPU; this is its bf16
+GPU counterpart). Prints a table and a JSON line.
 """
 
 from __future__ import annotations
@@ -57,7 +59,24 @@ def run_hf(folder, inputs) -> dict:
     return dict(seconds=seconds, tokens=tokens, peak_gib=peak, setting="generate_batch, default settings")
 
 
-def run_ours(folder, inputs, attn: str, kernels: bool, **engine_kw) -> dict:
+def agreement_with_generate(model, inputs, tokens, n: int) -> dict:
+    """The engine's tokens against generate()'s, request by request (batch 1, same model, bf16): the
+    share of requests equal end to end and the mean share of tokens before the first difference.
+    In bf16 a batch's kernels round differently from batch 1's, so near-ties may flip."""
+    equal, prefix = 0, 0.0
+    for i in range(min(n, len(inputs))):
+        ids = torch.tensor([inputs[i]], device="cuda")
+        ref = model.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                             eos_token_id=None)[0, len(inputs[i]):].tolist()
+        got = tokens[i]
+        same = next((j for j, (a, b) in enumerate(zip(got, ref)) if a != b), min(len(got), len(ref)))
+        equal += got == ref
+        prefix += same / max(len(ref), 1)
+    n = min(n, len(inputs))
+    return dict(requests=n, equal_share=round(equal / n, 3), prefix_share=round(prefix / n, 3))
+
+
+def run_ours(folder, inputs, attn: str, kernels: bool, check: int = 0, **engine_kw) -> dict:
     from cudaformers import AutoModelForCausalLM, GenerationConfig
     from cudaformers.engine.continuous_batching import destroy_cached_engine, generate_batch
 
@@ -80,10 +99,13 @@ def run_ours(folder, inputs, attn: str, kernels: bool, **engine_kw) -> dict:
     setting = (f"attn={attn}, kernels={'on' if kernels else 'off'}, graphs={'on' if engine.runner.graphs else 'off'}, "
                f"async={'on' if engine.use_async_batching else 'off'}, blocks={stats['num_blocks']}")
     destroy_cached_engine(model)
-    del model, engine, out
+    del engine, out
+    _free()
+    agreement = agreement_with_generate(model, inputs, tokens, check) if check else None
+    del model
     _free()
     return dict(seconds=seconds, tokens=tokens, peak_gib=peak, startup_s=startup, setting=setting,
-                preemptions=stats["preemptions"])
+                preemptions=stats["preemptions"], agreement=agreement)
 
 
 def main(argv=None) -> int:
@@ -92,6 +114,8 @@ def main(argv=None) -> int:
     ap.add_argument("--attn", default="triton")
     ap.add_argument("--kernels", default="on", choices=("on", "off"), help="use_kernels for our model")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--check-generate", type=int, default=16,
+                    help="compare this many requests' engine tokens with generate()'s (0: skip)")
     ap.add_argument("--ablate", action="store_true", help="also time ours without graphs / without async")
     ap.add_argument("--json", default=None, help="append the JSON record to this file")
     args = ap.parse_args(argv)
@@ -100,7 +124,7 @@ def main(argv=None) -> int:
     folder = random_checkpoint("qwen3-0.6b")
     rows = {}
     kernels = args.kernels == "on"
-    rows["cudaformers"] = run_ours(folder, inputs, args.attn, kernels)
+    rows["cudaformers"] = run_ours(folder, inputs, args.attn, kernels, check=args.check_generate)
     if args.ablate:
         rows["cudaformers, no graphs"] = run_ours(folder, inputs, args.attn, kernels, use_cuda_graph=False)
         rows["cudaformers, no async"] = run_ours(folder, inputs, args.attn, kernels, use_async_batching=False)
@@ -122,6 +146,11 @@ def main(argv=None) -> int:
                          setting=r["setting"], output_tokens=n_out[k])
         if "startup_s" in r:
             record[k].update(startup_s=round(r["startup_s"], 2), preemptions=r["preemptions"])
+        if r.get("agreement"):
+            a = r["agreement"]
+            print(f"  engine vs generate(), {a['requests']} requests in bf16: {a['equal_share']:.0%} equal end to end, "
+                  f"{a['prefix_share']:.0%} of tokens before the first difference")
+            record[k]["agreement_with_generate"] = a
         if n_out[k] != expected:
             print(f"  ! {k} produced {n_out[k]} tokens, expected {expected}")
     if hf:
