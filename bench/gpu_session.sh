@@ -3,6 +3,7 @@
 # or failing part cannot starve the rest. Logs go to $OUT (or ./out). Usage:
 #   COMMIT=$(git rev-parse --short HEAD) bash bench/gpu_session.sh [part ...]
 # Carry .tcache (with triton-cache.tgz from the last call's $OUT) to reuse compiled kernels.
+# "verify" expands to the GPU tests of code new since the last GPU run (see below).
 # Parts (default: all, in this order): generate train engine kernels-tests kernels-bench decode-profile;
 # tests:NAME runs tests/gpu/test_NAME_gpu.py alone (8 workers), e.g. tests:quant. Pytest runs are verbose
 # so that a part cut by its limit still names its failures in the log.
@@ -22,6 +23,11 @@ save_cache() {  # at most 15 MiB comes back (the transfer limit is 16 MiB a file
 }
 trap save_cache EXIT
 parts=("$@"); [ ${#parts[@]} -eq 0 ] && parts=(generate train engine kernels-tests kernels-bench decode-profile)
+# "verify": the GPU tests of code that has not yet run on a GPU, before any benchmark.
+expanded=(); for p in "${parts[@]}"; do
+  case $p in verify) expanded+=(tests:core tests:decode_fusion tests:loading tests:train attention-graph) ;;
+             *) expanded+=("$p") ;; esac
+done; parts=("${expanded[@]}")
 run() {  # name, seconds (LIMIT_<name> overrides), command...
   local name=$1 var="LIMIT_${1//-/_}"; local limit=${!var:-$2}; shift 2
   echo "=== $name (limit ${limit}s)"
@@ -75,6 +81,8 @@ for part in "${parts[@]}"; do
           --json "$OUT/results.jsonl" ;;
     quant-8b) run quant-8b 100 python3 bench/quant.py --parts decode,qlora --shapes qwen3-8b \
                 --methods bf16,int8,int4,nf4 --json "$OUT/results.jsonl" ;;
+    attention-graph) run attention-graph 200 python3 -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider -n 8 \
+                       --timeout 150 tests/gpu/test_attention_gpu.py -k "paged or graph" ;;
     tests:*) f=${part#tests:}; run "tests-$f" 240 python3 -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider \
                -n 8 --timeout 120 "tests/gpu/test_${f}_gpu.py" ;;
     *) echo "unknown part $part" ;;
