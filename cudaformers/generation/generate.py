@@ -1,7 +1,9 @@
 """``model.generate()``: batched prompts (left-padded like transformers), a static KV cache, decode
 steps and their sampling replayed from one CUDA graph on GPUs (``loop.py``).
 
-Rows run without padding (varlen prefill), so each row's tokens equal what it gets alone.
+On the CPU rows run without padding (varlen prefill), so each row's tokens equal what it gets alone;
+on a GPU the prompt pass pads each row at its end to a shared width (``prefill.py``), which never
+changes a real token's result.
 """
 
 from __future__ import annotations
@@ -13,8 +15,8 @@ import torch
 from .config import GenerationConfig
 from .decode import get_runner
 from .logits import SamplingTensors
-from .prefill import prompt_width
 from .loop import LoopKind, LoopState, advance, close_finished, run_loop
+from .prefill import prompt_width
 
 logger = logging.getLogger("cudaformers")
 

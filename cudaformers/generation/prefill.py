@@ -64,9 +64,8 @@ class PromptPass:
         if width is None:
             last = torch.tensor(lens, device=dev).cumsum(0) - 1
             return self._forward(torch.cat(rows), *self._batch(lens, dev), last)
-        ids = torch.zeros(len(rows), width, dtype=torch.long, device=dev)
-        for i, row in enumerate(rows):
-            ids[i, : len(row)] = row
+        ids = torch.nn.functional.pad(torch.nn.utils.rnn.pad_sequence(rows, batch_first=True),
+                                      (0, width - max(lens)))
         last = torch.tensor(lens, device=dev) - 1 + torch.arange(len(rows), device=dev) * width
         if not self.use_cuda_graph or len(rows) * width > MAX_GRAPH_TOKENS:
             return self._forward(ids.view(-1), *self._batch([width] * len(rows), dev), last)
