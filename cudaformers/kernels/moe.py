@@ -22,13 +22,19 @@ from .activation import act_and_mul_packed
 # -- routing ----------------------------------------------------------------------------------------
 
 @triton.jit
-def _topk_softmax(logits_ptr, w_ptr, idx_ptr, n_experts, TOP_K: tl.constexpr, RENORM: tl.constexpr,
-                  BLOCK_E: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
+def _routing_probs(logits_ptr, t, n_experts, BLOCK_E: tl.constexpr):
+    """(expert ids, fp32 softmax over the experts) of token ``t``; padded experts get probability 0."""
     e = tl.arange(0, BLOCK_E)
     x = tl.load(logits_ptr + t * n_experts + e, mask=e < n_experts, other=float("-inf")).to(tl.float32)
     p = tl.exp(x - tl.max(x, axis=0))
-    p = p / tl.sum(p, axis=0)
+    return e, p / tl.sum(p, axis=0)
+
+
+@triton.jit
+def _topk_softmax(logits_ptr, w_ptr, idx_ptr, n_experts, TOP_K: tl.constexpr, RENORM: tl.constexpr,
+                  BLOCK_E: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    e, p = _routing_probs(logits_ptr, t, n_experts, BLOCK_E)
     total = 0.0
     # k rounds of argmax: k is small (1-8) and the expert axis fits in one block.
     for i in tl.static_range(TOP_K):
@@ -48,10 +54,7 @@ def _topk_softmax_bwd(logits_ptr, idx_ptr, dw_ptr, dlogits_ptr, n_experts, TOP_K
                       RENORM: tl.constexpr, BLOCK_E: tl.constexpr):
     """d logits of one token from d weights: through the renormalisation, the gather and the softmax."""
     t = tl.program_id(0).to(tl.int64)
-    e = tl.arange(0, BLOCK_E)
-    x = tl.load(logits_ptr + t * n_experts + e, mask=e < n_experts, other=float("-inf")).to(tl.float32)
-    p = tl.exp(x - tl.max(x, axis=0))
-    p = p / tl.sum(p, axis=0)
+    e, p = _routing_probs(logits_ptr, t, n_experts, BLOCK_E)
     total = 0.0
     dw_dot_w = 0.0
     if RENORM:  # w_k = p_k / S: dp_k = (dw_k - sum_j dw_j w_j) / S
