@@ -81,6 +81,14 @@ for part in "${parts[@]}"; do
           --json "$OUT/results.jsonl" ;;
     quant-8b) run quant-8b 100 python3 bench/quant.py --parts decode,qlora --shapes qwen3-8b \
                 --methods bf16,int8,int4,nf4 --json "$OUT/results.jsonl" ;;
+    prefetch-ab) for pf in 0 1; do  # the same W1-W3 runs with L2 prefetching off, then on
+                   export CUDAFORMERS_L2_PREFETCH=$pf; run "generate-prefetch-$pf" 200 python3 bench/generate.py --skip-hf \
+                     --workloads W1,W3,W2 --variants triton+kernels --json "$OUT/results.jsonl"
+                 done; unset CUDAFORMERS_L2_PREFETCH ;;
+    quant-decode-ab) for pf in 0 1; do
+                       export CUDAFORMERS_L2_PREFETCH=$pf; run "quant-decode-prefetch-$pf" 150 python3 bench/quant.py \
+                         --parts decode --shapes qwen3-8b --methods bf16,int8,int4,fp8 --json "$OUT/results.jsonl"
+                     done; unset CUDAFORMERS_L2_PREFETCH ;;
     attention-graph) run attention-graph 200 python3 -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider -n 8 \
                        --timeout 150 tests/gpu/test_attention_gpu.py -k "paged or graph" ;;
     tests:*) f=${part#tests:}; run "tests-$f" 240 python3 -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider \

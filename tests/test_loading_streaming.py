@@ -240,7 +240,7 @@ def test_stream_target_is_the_one_gpu_holding_everything(monkeypatch):
         return {f"p{i}": SimpleNamespace(device=torch.device(d)) for i, d in enumerate(devices)}
 
     monkeypatch.delenv("CUDAFORMERS_STREAM_LOAD", raising=False)
-    assert pretrained._stream_target(params("cuda:0")) is None  # opt-in until measured on a GPU
+    assert pretrained._stream_target(params("cuda:0")) == torch.device("cuda:0")  # the default on one GPU
     monkeypatch.setenv("CUDAFORMERS_STREAM_LOAD", "1")
     assert pretrained._stream_target(params("cuda:0", "cuda:0")) == torch.device("cuda:0")
     assert pretrained._stream_target(params("cuda:0", "cuda:1")) is None  # device_map across GPUs

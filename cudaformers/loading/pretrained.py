@@ -133,13 +133,14 @@ def _gguf_tensors(path: Path, dtype):
 
 def _stream_target(params) -> torch.device | None:
     """The GPU a safetensors checkpoint streams to: the one CUDA device holding every parameter.
-    Models on the CPU, across devices or offloaded read the memory-mapped files in place;
-    Streaming is opt-in (CUDAFORMERS_STREAM_LOAD=1) until it has been measured and checked on a GPU;
-    by default GPU loads copy tensor by tensor from the mapped files too."""
+    Models on the CPU, across devices or offloaded read the memory-mapped files in place.
+    Streaming is the default (measured on an H200: a 16.4 GB qwen3-8b checkpoint in 1.34 s, against
+    3.40 s tensor by tensor and 3.23 s for transformers, identical weights); CUDAFORMERS_STREAM_LOAD=0
+    copies tensor by tensor from the mapped files instead."""
     devices = {p.device for p in params.values()}
     if len(devices) != 1 or next(iter(devices)).type != "cuda":
         return None
-    if os.environ.get("CUDAFORMERS_STREAM_LOAD", "0") != "1":
+    if os.environ.get("CUDAFORMERS_STREAM_LOAD", "1") == "0":
         return None
     return next(iter(devices))
 
