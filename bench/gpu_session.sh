@@ -47,6 +47,7 @@ for part in "${parts[@]}"; do
     engine-profile) run engine-profile 70 python3 bench/profile_engine.py ;;
     kernels-tests) run kernels-tests 90 python3 -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider tests/gpu/test_kernels_gpu.py ;;
     kernels-bench) run kernels-bench 60 python3 bench/kernels.py ;;
+    kernels-bench-extra) run kernels-bench-extra 120 python3 bench/kernels.py --extra ;;
     decode-profile) run decode-profile 60 python3 bench/profile_decode.py --attn triton --kernels ;;
     decode-kernels) run decode-kernels 40 python3 bench/decode_kernels.py ;;
     fusion-tests) run fusion-tests 90 python3 -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider \

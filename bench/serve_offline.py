@@ -63,7 +63,7 @@ def agreement_with_generate(model, inputs, tokens, n: int) -> dict:
     """The engine's tokens against generate()'s, request by request (batch 1, same model, bf16): the
     share of requests equal end to end and the mean share of tokens before the first difference.
     In bf16 a batch's kernels round differently from batch 1's, so near-ties may flip."""
-    equal, prefix = 0, 0.0
+    equal, prefix, margins = 0, 0.0, []
     for i in range(min(n, len(inputs))):
         ids = torch.tensor([inputs[i]], device="cuda")
         ref = model.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
@@ -72,8 +72,18 @@ def agreement_with_generate(model, inputs, tokens, n: int) -> dict:
         same = next((j for j, (a, b) in enumerate(zip(got, ref)) if a != b), min(len(got), len(ref)))
         equal += got == ref
         prefix += same / max(len(ref), 1)
+        if same < min(len(got), len(ref)):
+            # How close the two choices were where they part: generate()'s logit for its own token
+            # minus its logit for the engine's. A near-tie (a few bf16 roundings) is not a bug.
+            with torch.no_grad():
+                logits = model(torch.tensor([inputs[i] + ref[:same]], device="cuda")).logits[0, -1].float()
+            margins.append((logits[ref[same]] - logits[got[same]]).item())
     n = min(n, len(inputs))
-    return dict(requests=n, equal_share=round(equal / n, 3), prefix_share=round(prefix / n, 3))
+    out = dict(requests=n, equal_share=round(equal / n, 3), prefix_share=round(prefix / n, 3))
+    if margins:
+        margins.sort()
+        out.update(margin_at_split_median=round(margins[len(margins) // 2], 4), margin_at_split_max=round(margins[-1], 4))
+    return out
 
 
 def run_ours(folder, inputs, attn: str, kernels: bool, check: int = 0, **engine_kw) -> dict:
@@ -150,6 +160,9 @@ def main(argv=None) -> int:
             a = r["agreement"]
             print(f"  engine vs generate(), {a['requests']} requests in bf16: {a['equal_share']:.0%} equal end to end, "
                   f"{a['prefix_share']:.0%} of tokens before the first difference")
+            if "margin_at_split_max" in a:
+                print(f"  where they part, generate()'s own logit margin over the engine's token: median "
+                      f"{a['margin_at_split_median']:.3g}, max {a['margin_at_split_max']:.3g}")
             record[k]["agreement_with_generate"] = a
         if n_out[k] != expected:
             print(f"  ! {k} produced {n_out[k]} tokens, expected {expected}")
