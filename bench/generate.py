@@ -2,8 +2,9 @@
 
     python bench/generate.py [--workloads W1,W2,W3] [--variants sdpa,triton+kernels] [--skip-hf] [--check-eager]
 
-A variant is an attention backend, optionally with ``+kernels`` (use_kernels=True) and ``+cublas``
-(kernels, but matmuls left on cuBLAS instead of the decode GEMV).
+A variant is an attention backend, optionally with ``+kernels`` (use_kernels=True), ``+cublas``
+(kernels, but matmuls left on cuBLAS instead of the decode GEMV) and ``+nofold`` (kernels, but the
+decode norms not folded into the GEMVs after them).
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ def run_ours(folder, batch, variant, check_eager) -> dict:
 
     attn, *flags = variant.split("+")
     kernels = "kernels" in flags
-    config = KernelConfig(kernel_mapping={"Linear": ""}) if "cublas" in flags else None
+    mapping = {**({"Linear": ""} if "cublas" in flags else {}), **({"DecoderLayer": ""} if "nofold" in flags else {})}
+    config = KernelConfig(kernel_mapping=mapping) if mapping else None
     (model, load_s) = timed(lambda: AutoModelForCausalLM.from_pretrained(
         folder, dtype=torch.bfloat16, device_map="cuda", attn_implementation=attn, use_kernels=kernels,
         kernel_config=config))

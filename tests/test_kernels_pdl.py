@@ -94,7 +94,7 @@ def _cases():
     }
 
 
-_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64",
+_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64", torch.uint8: "u8",
           torch.int32: "i32"}
 
 

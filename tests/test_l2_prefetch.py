@@ -51,10 +51,17 @@ def test_window_and_lines():
     assert l2_prefetch.lines(torch.zeros(100, dtype=torch.bfloat16)) == 2  # 200 bytes: two 128-byte lines
     big = torch.empty(l2_prefetch.WINDOW, dtype=torch.uint8)
     assert l2_prefetch.lines(torch.cat([big, big])) == l2_prefetch.WINDOW // l2_prefetch.LINE
-    assert l2_prefetch.line_elements(torch.zeros(1, dtype=torch.bfloat16)) == 64
 
 
-def test_enabled_only_on_cuda_outside_the_interpreter(monkeypatch):
+def test_window_from_the_environment(monkeypatch):
+    monkeypatch.setenv("CUDAFORMERS_L2_PREFETCH_BYTES", "1024")
+    assert l2_prefetch.lines(torch.zeros(1 << 20, dtype=torch.uint8)) == 8
+
+
+def test_enabled_only_on_request_on_cuda_outside_the_interpreter(monkeypatch):
+    monkeypatch.delenv("CUDAFORMERS_L2_PREFETCH", raising=False)
+    assert not l2_prefetch.enabled(torch.device("cuda", 0))  # off by default (measured slower)
+    monkeypatch.setenv("CUDAFORMERS_L2_PREFETCH", "1")
     assert not l2_prefetch.enabled(torch.device("cpu"))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not l2_prefetch.enabled(torch.device("cuda", 0))
@@ -67,4 +74,4 @@ def test_kernels_get_no_prefetch_where_disabled():
     w, nxt = torch.zeros(4, 4), torch.zeros(4, 4)
     l2_prefetch.plan([w, nxt])
     t, n, _ = l2_prefetch.kernel_args(w)  # CPU: disabled
-    assert t is w and n == 0
+    assert t.dtype == torch.uint8 and n == 0

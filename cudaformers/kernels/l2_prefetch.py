@@ -11,7 +11,12 @@ input; larger matmuls (cuBLAS) get a small prefetch kernel launched just before 
 
 A prefetch is only a hint: it changes no result, and a wrong plan costs bandwidth, never
 correctness. The plan lives per weight tensor (weak references: it keeps no model alive) and only
-ever links tensors recorded in one step of one model. ``CUDAFORMERS_L2_PREFETCH=0`` turns it off.
+ever links tensors recorded in one step of one model.
+
+Off by default: on an H200 prefetching up to 24 MB of the next weights made decode slower (W1
+1,141 -> 1,046 tok/s, W2 204 -> 185, W3 19,374 -> 17,801; bench/RESULTS.md run 8): the requests
+queue in front of the current kernel's own loads. ``CUDAFORMERS_L2_PREFETCH=1`` turns it on, and
+``CUDAFORMERS_L2_PREFETCH_BYTES`` sets how much of the next weights is requested.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import triton.language as tl
 
 from .pdl import pdl_enabled, release_dependents, wait_for_producer
 
-WINDOW = 24 << 20  # bytes of the next weight requested: well inside the L2 of the GPUs that run this
+WINDOW = 24 << 20  # most bytes of the next weight ever requested: well inside the L2 of the GPUs that run this
 MAX_ROWS = 256     # matmuls up to this many rows are decode-sized (bound by their weights)
 LINE = 128         # bytes per L2 line
 
@@ -39,7 +44,7 @@ def enabled(device: torch.device) -> bool:
     """Prefetches run on CUDA with compiled kernels (the interpreter has no inline PTX)."""
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return False
-    return os.environ.get("CUDAFORMERS_L2_PREFETCH", "1") != "0"
+    return os.environ.get("CUDAFORMERS_L2_PREFETCH", "0") == "1"
 
 
 @contextmanager
@@ -80,11 +85,8 @@ def lines(t: torch.Tensor | None) -> int:
     """L2 lines to request from the start of ``t``: all of it, up to ``WINDOW`` bytes."""
     if t is None:
         return 0
-    return triton.cdiv(min(t.numel() * t.element_size(), WINDOW), LINE)
-
-
-def line_elements(t: torch.Tensor) -> int:
-    return max(1, LINE // t.element_size())
+    window = min(int(os.environ.get("CUDAFORMERS_L2_PREFETCH_BYTES", WINDOW)), WINDOW)
+    return triton.cdiv(min(t.numel() * t.element_size(), window), LINE)
 
 
 @triton.jit
@@ -128,14 +130,26 @@ def prefetch_next(weight: torch.Tensor, rows: int) -> None:
         return
     pdl = pdl_enabled(weight.device)
     grid = (min(triton.cdiv(n, 256), _programs(weight.device)),)
-    _prefetch_kernel[grid](nxt, n, LINE_ELEMS=line_elements(nxt), BLOCK=256, USE_PDL=pdl, num_warps=4,
-                           launch_pdl=pdl)
+    nxt = _as_bytes(nxt)
+    if nxt is None:
+        return
+    _prefetch_kernel[grid](nxt, n, LINE_ELEMS=LINE, BLOCK=256, USE_PDL=pdl, num_warps=4, launch_pdl=pdl)
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor | None:
+    return t.reshape(-1).view(torch.uint8) if t.is_contiguous() else None
 
 
 def kernel_args(weight: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-    """``(tensor, lines, elements per line)`` for a projection kernel that prefetches in-kernel: the
-    weight planned after ``weight``, or ``weight`` itself with no lines."""
+    """``(bytes, lines, bytes per line)`` for a projection kernel that prefetches in-kernel: the
+    weight planned after ``weight`` as bytes, or no lines (and any byte tensor as a placeholder)."""
     nxt = after(weight) if enabled(weight.device) else None
+    nxt = _as_bytes(nxt) if nxt is not None else None
     if nxt is None:
-        return weight, 0, line_elements(weight)
-    return nxt, lines(nxt), line_elements(nxt)
+        if weight.device not in _PLACEHOLDER:
+            _PLACEHOLDER[weight.device] = torch.empty(16, dtype=torch.uint8, device=weight.device)
+        return _PLACEHOLDER[weight.device], 0, LINE
+    return nxt, lines(nxt), LINE
+
+
+_PLACEHOLDER: dict[torch.device, torch.Tensor] = {}

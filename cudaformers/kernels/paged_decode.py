@@ -206,27 +206,31 @@ def _sms(device: torch.device) -> int:
 @functools.lru_cache(maxsize=None)
 def default_tiling(num_seqs: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                    device: torch.device) -> DecodeTiling:
-    """16 KB of K per tile (64 keys at head_dim 128 in 2-byte dtypes), three tiles of K and V in flight.
+    """How to cut one decode launch, by how much work the grid has (measured on an H200 with
+    ``bench/paged_decode.py --sweep``, bench/RESULTS.md run 8).
 
-    A program's first tiles are requested together, so it covers up to three tiles in about one
-    memory latency. Splitting a context costs a merge (the partials' stores, a counter round trip,
-    their reads: about three dependent memory accesses), so a context stays in one program up to
-    eight tiles (512 keys at head_dim 128). Once one program per (sequence, kv head) already gives
-    every SM work, the GPU is busy anyway: splitting then only balances long contexts (measured:
-    2 splits beat 1 by 11% at B=32 x 8k keys).
+    A program's first tiles are requested together, so it covers its first tiles in about one
+    memory latency. With few sequences (fewer programs than SMs) decode is pure latency: 32 KB tiles
+    of K (128 keys at head_dim 128), double-buffered, and a context longer than 512 keys split into
+    one-tile pieces that merge in the same launch. Once every SM has a program the GPU is busy
+    anyway: 16 KB tiles, three in flight, and splitting only balances long contexts (2 splits beat 1
+    by 11% at B=32 x 8k keys); at four or more programs per SM, 8 KB tiles let four programs share
+    an SM.
     """
     if interpreting():  # small tiles keep the CPU tests quick and still cover every path
         return DecodeTiling(block_n=16, num_warps=4, num_stages=1, split_above=32, split_tiles=1)
     bd = block_d(head_dim)
-    busy = num_seqs * num_kv_heads >= _sms(device)
-    if dtype.itemsize <= 2:  # three K/V buffers: ~100 KB of shared memory, two programs per SM
-        block_n, stages = 8192 // bd, 4
-        if busy:  # half the tile, four programs per SM: more loads in flight per SM (H200, B=128-256 x
-            block_n = 4096 // bd  # 400-800 keys: 8-15% faster; bench/paged_decode.py --sweep)
-    else:  # fp32 (exactness tests, mostly): the tiles that compile without register spills
+    programs = num_seqs * num_kv_heads
+    busy = programs >= _sms(device)
+    if dtype.itemsize > 2:  # fp32 (exactness tests, mostly): the tiles that compile without register spills
         block_n, stages = (64, 2) if bd <= 128 else (16, 4)
-    tiling = DecodeTiling(block_n=block_n, num_warps=4, num_stages=stages,
-                          split_above=2048 if busy else 8 * block_n, split_tiles=max(1, stages - 1))
+        tiling = DecodeTiling(block_n, 4, stages, 2048 if busy else 8 * block_n, max(1, stages - 1))
+    elif not busy and bd <= 128:  # B=1 x 256-800 keys: 15-25% faster than 16 KB tiles
+        tiling = DecodeTiling(block_n=16384 // bd, num_warps=4, num_stages=2, split_above=512, split_tiles=1)
+    else:  # B=128-256 x 256-800 keys: 8 KB tiles 8-15% faster; B=32: 16 KB tiles faster
+        block_n = 4096 // bd if programs >= 4 * _sms(device) else 8192 // bd
+        tiling = DecodeTiling(block_n=block_n, num_warps=4, num_stages=4,
+                              split_above=2048 if busy else 8 * block_n, split_tiles=3)
     logger.debug("paged decode: %s for %d sequences x %d kv heads, head_dim %d, %s", tiling, num_seqs,
                  num_kv_heads, head_dim, dtype)
     return tiling

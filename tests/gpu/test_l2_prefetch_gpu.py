@@ -11,6 +11,11 @@ pytestmark = pytest.mark.gpu
 DEV = "cuda"
 
 
+@pytest.fixture(autouse=True)
+def prefetch_on(monkeypatch):
+    monkeypatch.setenv("CUDAFORMERS_L2_PREFETCH", "1")
+
+
 def _unplanned(fn):
     l2_prefetch._plan.clear()
     return fn()
