@@ -82,17 +82,8 @@ for part in "${parts[@]}"; do
           --json "$OUT/results.jsonl" ;;
     quant-8b) run quant-8b 100 python3 bench/quant.py --parts decode,qlora --shapes qwen3-8b \
                 --methods bf16,int8,int4,nf4 --json "$OUT/results.jsonl" ;;
-    prefetch-ab) for bytes in 0 1048576 4194304; do  # W1 with L2 prefetching off, then small windows
-                   export CUDAFORMERS_L2_PREFETCH=$([ $bytes = 0 ] && echo 0 || echo 1) CUDAFORMERS_L2_PREFETCH_BYTES=$bytes
-                   run "generate-prefetch-$bytes" 90 python3 bench/generate.py --skip-hf --workloads W1 \
-                     --variants triton+kernels --json "$OUT/results.jsonl"
-                 done; unset CUDAFORMERS_L2_PREFETCH CUDAFORMERS_L2_PREFETCH_BYTES ;;
     fold-ab) run fold-ab 200 python3 bench/generate.py --skip-hf --workloads W1,W2,W3 \
                --variants triton+kernels,triton+kernels+nofold --json "$OUT/results.jsonl" ;;
-    quant-decode-ab) for pf in 0 1; do
-                       export CUDAFORMERS_L2_PREFETCH=$pf; run "quant-decode-prefetch-$pf" 150 python3 bench/quant.py \
-                         --parts decode --shapes qwen3-8b --methods bf16,int8,int4,fp8 --json "$OUT/results.jsonl"
-                     done; unset CUDAFORMERS_L2_PREFETCH ;;
     attention-graph) run attention-graph 200 python3 -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider -n 8 \
                        --timeout 150 tests/gpu/test_attention_gpu.py -k "paged or graph" ;;
     tests:*) f=${part#tests:}; run "tests-$f" 240 python3 -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider \

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import sys
 import traceback
 from pathlib import Path
@@ -141,11 +142,15 @@ def bench_gemv_tiles(methods, bw, env, json_path) -> list[dict]:
                 x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
                 n_blocks = w.qweight.shape[1] * 8 // w.bits // w.block
                 default = gemv_tiles(n, n_blocks, w.block * w.bits // 32, x.device)
-                for block_n in (1, 2, 4, 8, 16):
-                    tiles = (block_n, *default[1:])
-                    seconds = graph_us([lambda c=c: quant_gemv(x, c, tiles=tiles) for c in copies]) / 1e6
-                    rec = dict(part="gemv_tiles", layer=label, method=method, block_n=block_n,
-                               default=tiles == default, us=round(seconds * 1e6, 2),
+                blocks = sorted({max(1, default[1] // 2), default[1], min(default[1] * 2, n_blocks)})
+                for tiles in itertools.product((1, 2, 4, 8, 16), blocks, sorted({default[2], 8})):
+                    try:
+                        seconds = graph_us([lambda c=c: quant_gemv(x, c, tiles=tiles) for c in copies]) / 1e6
+                    except Exception as e:  # noqa: BLE001 - a tile that does not compile is skipped
+                        print(f"gemv tiles {label} {method} {tiles}: {type(e).__name__}")
+                        continue
+                    rec = dict(part="gemv_tiles", layer=label, method=method, block_n=tiles[0], blocks=tiles[1],
+                               warps=tiles[2], default=tiles == default, us=round(seconds * 1e6, 2),
                                bw_share=round(nbytes / seconds / bw, 3), **env)
                     emit(rec, json_path)
                     rows.append(rec)
@@ -252,10 +257,13 @@ def main() -> None:
             print(f"{r['layer']:8} {r['m']:>4} {r['method']:7} {r['us']:>8} {str(r['speedup_vs_bf16']):>7} "
                   f"{r['gb_s']:>7} {100 * r['bw_share']:>5.0f} {r['rel_err']:>8}")
     if tiles:
-        print(f"\n{'method':7} {'layer':8} " + " ".join(f"{'BN=' + str(b):>9}" for b in (1, 2, 4, 8, 16)) + "   (us, * default)")
+        print(f"\n{'method':7} {'layer':8} {'default us':>10} {'bw%':>5} {'best us':>8} {'bw%':>5}  best (BLOCK_N, BLOCKS, warps)")
         for key in dict.fromkeys((r["method"], r["layer"]) for r in tiles):
-            cells = [f"{r['us']:>8}{'*' if r['default'] else ' '}" for r in tiles if (r["method"], r["layer"]) == key]
-            print(f"{key[0]:7} {key[1]:8} " + " ".join(cells))
+            mine = [r for r in tiles if (r["method"], r["layer"]) == key]
+            best = min(mine, key=lambda r: r["us"])
+            dflt = next((r for r in mine if r["default"]), best)
+            print(f"{key[0]:7} {key[1]:8} {dflt['us']:>10} {100 * dflt['bw_share']:>5.0f} {best['us']:>8} "
+                  f"{100 * best['bw_share']:>5.0f}  ({best['block_n']}, {best['blocks']}, {best['warps']})")
     if decode:
         print(f"\n{'shape':11} {'method':7} {'tok/s':>8} {'x bf16':>7} {'bw%':>5} {'weights GiB':>11} {'peak GiB':>9}")
         for r in decode:

@@ -78,6 +78,22 @@ def test_logits_equal_the_unfused_kernels_at_and_past_the_row_limit(rows, folds)
     assert folds == ([rows] * 2 * len(fused.model.layers) if rows <= 4 else [])
 
 
+def test_wide_layers_stay_unfolded(folds, monkeypatch):
+    """Past FOLD_MAX_HIDDEN features the fold costs more than the launch it saves (measured at
+    hidden 4096): the layer runs unfused, with the same logits."""
+    unfused, fused = _models("qwen3")
+    hidden = fused.config.hidden_size
+    monkeypatch.setattr(fused_module, "FOLD_MAX_HIDDEN", hidden - 1)
+    ids = torch.randint(3, 211, (1, 1), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(fused(ids).logits, unfused(ids).logits)
+    assert not folds
+    monkeypatch.setattr(fused_module, "FOLD_MAX_HIDDEN", hidden)
+    with torch.no_grad():
+        fused(ids)
+    assert folds == [1] * 2 * len(fused.model.layers)
+
+
 def test_bf16_decode_logits_and_tokens(folds):
     unfused, fused = _models("qwen3_tied", torch.bfloat16)
     ids = torch.randint(3, 211, (1, 5), generator=torch.Generator().manual_seed(3))

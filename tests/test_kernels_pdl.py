@@ -35,17 +35,13 @@ CASES = {
     "qk_norm_rope": ("weights", False),
     "kv_store": ("none", False),
     "act_and_mul": ("none", False),
-    "gemv_l2_prefetch": ("weights", True),
-    "l2_prefetch_kernel": ("none", False),
 }
-# cases that must request the next projection's weights into L2 before the wait (l2_prefetch.py)
-L2_PREFETCH = ("gemv_l2_prefetch", "l2_prefetch_kernel")
 PLAIN = ("act_and_mul_pdl_off", "act_and_mul_backward")
 
 
 def _cases():
     """name -> (module, kernel attribute, call that launches it with bf16 weights, fp32 activations)."""
-    from cudaformers.kernels import activation, gemv, kv_store, l2_prefetch, qk_norm_rope, rms_norm
+    from cudaformers.kernels import activation, gemv, kv_store, qk_norm_rope, rms_norm
 
     bf, f32 = torch.bfloat16, torch.float32
     x, w = torch.randn(1, 96, dtype=f32), torch.randn(40, 96, dtype=bf)
@@ -54,18 +50,6 @@ def _cases():
     qkv = torch.randn(2, 4 * 32, dtype=f32)
     cos, sin = torch.randn(2, 32, dtype=f32), torch.randn(2, 32, dtype=f32)
     cache = torch.zeros(4, 4, 1, 32, dtype=f32)
-    after = torch.randn(64, 96, dtype=bf)  # the projection planned to follow w
-
-    def with_plan(call):
-        def run():
-            enabled, l2_prefetch.enabled = l2_prefetch.enabled, lambda device: True  # CPU stands in for CUDA
-            l2_prefetch.plan([w, after])
-            try:
-                return call()
-            finally:
-                l2_prefetch.enabled = enabled
-        return run
-
     return {
         "gemv": (gemv, "_gemv_kernel", lambda: gemv.gemv(x, w)),
         "gemv_k_loop": (gemv, "_gemv_kernel", lambda: gemv.gemv(*big_k)),
@@ -85,8 +69,6 @@ def _cases():
             cache, cache.clone(), qkv[:, :32].view(2, 1, 32), qkv[:, 32:64].view(2, 1, 32), torch.tensor([3, 9]))),
         "act_and_mul": (activation, "_act_mul_fwd",
                         lambda: activation.act_and_mul_forward(gate_up[:, :96], gate_up[:, 96:], pdl=True)),
-        "gemv_l2_prefetch": (gemv, "_gemv_kernel", with_plan(lambda: gemv.gemv(x, w))),
-        "l2_prefetch_kernel": (l2_prefetch, "_prefetch_kernel", with_plan(lambda: l2_prefetch.prefetch_next(w, 32))),
         "act_and_mul_pdl_off": (activation, "_act_mul_fwd",
                                 lambda: activation.act_and_mul_forward(gate_up[:, :96], gate_up[:, 96:])),
         "act_and_mul_backward": (activation, "_act_mul_bwd", lambda: activation._backward_into(
@@ -94,7 +76,7 @@ def _cases():
     }
 
 
-_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64", torch.uint8: "u8",
+_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64",
           torch.int32: "i32"}
 
 
@@ -132,7 +114,7 @@ def _events(ptx: str) -> list[str]:
         op = op.split(" ")[0]
         if op.startswith("griddepcontrol."):
             events.append(op.rstrip(";"))
-        elif op.startswith(("ld.global", "st.global", "atom.global", "red.global", "prefetch.global")):
+        elif op.startswith(("ld.global", "st.global", "atom.global", "red.global")):
             events.append(op)
     return events
 
@@ -184,16 +166,11 @@ def test_pdl_kernel_keeps_the_contract(probe, case):
     assert "griddepcontrol.wait" in events, f"{case}: no wait compiled in: {_summary(events)}"
     first_wait = events.index("griddepcontrol.wait")
     before = events[:first_wait]
-    assert not [e for e in before if not e.startswith(("ld.", "prefetch."))], \
-        f"{case}: writes before the wait: {_summary(events)}"
-    activations = [e for e in before if e.startswith("ld.") and e != "ld.global.b16"]
+    assert not [e for e in before if not e.startswith("ld.")], f"{case}: writes before the wait: {_summary(events)}"
+    activations = [e for e in before if e != "ld.global.b16"]
     assert not activations, f"{case}: activation loads before the wait: {_summary(events)}"
     if allowed == "none":
-        assert not [e for e in before if e.startswith("ld.")], f"{case}: loads before the wait: {_summary(events)}"
-    if case in L2_PREFETCH:
-        assert "prefetch.global.L2" in before, f"{case}: no L2 prefetch before the wait: {_summary(events)}"
-    else:
-        assert not [e for e in events if e.startswith("prefetch.")], f"{case}: prefetches without a plan"
+        assert not before, f"{case}: loads before the wait: {_summary(events)}"
     if prefetches:
         assert before, f"{case}: no weight is requested before the wait (nothing to overlap): {_summary(events)}"
     # every release follows a wait (at most two grids overlap)

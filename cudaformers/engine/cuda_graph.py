@@ -17,7 +17,6 @@ import numpy as np
 import torch
 
 from ..attention.metadata import AttentionBatch
-from ..kernels import l2_prefetch
 
 logger = logging.getLogger("cudaformers")
 
@@ -59,8 +58,7 @@ class DecodeGraphs:
         start = time.perf_counter()
         pool = None
         for b in reversed(self.sizes):  # largest first, so smaller graphs fit in its memory pool
-            with l2_prefetch.recording():  # the order projections stream their weights in
-                self._forward(b)  # warm-up: lazy initialisation and kernel autotuning stay out of the graph
+            self._forward(b)  # warm-up: lazy initialisation and kernel autotuning stay out of the graph
             torch.cuda.synchronize(self.runner.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):

@@ -7,13 +7,11 @@ it (``loop``), so a token costs one replay.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 
 import torch
 
 from ..attention.kv_cache import KVCache
-from ..kernels import l2_prefetch
 from ..attention.metadata import AttentionBatch
 from .loop import LoopKind, LoopState, advance
 from .prefill import PromptPass
@@ -63,9 +61,8 @@ class DecodeRunner:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for i in range(warmups):
-                with l2_prefetch.recording() if i == 0 else contextlib.nullcontext():
-                    body()  # the first records the order projections stream their weights in
+            for _ in range(warmups):
+                body()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):

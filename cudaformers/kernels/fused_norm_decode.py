@@ -13,6 +13,11 @@ packed, plain ``nn.Linear`` weights (no adapter, quantization, sharding or hooks
 bypass), the rows are few enough for the GEMV (``gemv_applies``: no autograd, one dtype) and
 autocast is off (under autocast the hub's norm writes another dtype). Otherwise that half runs as
 ``DecoderLayer.forward`` does.
+
+The fold pays where a layer is a few microseconds of GEMV: every program of the GEMV re-reads the
+whole input row for its sum of squares, which costs little against a launch at hidden size 1024 and
+more than a launch at 4096. Measured on an H200 (bench/RESULTS.md run 8): qwen3-0.6b decode 1,095 ->
+1,156 tok/s with the fold, qwen3-8b 220 -> 206. So it applies up to ``FOLD_MAX_HIDDEN`` features.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from ..layers.mlp import GatedMLP
 from ..layers.norm import RMSNorm
 from .fused_projections import PackedLinear
 from .gemv import gemv_applies, gemv_rms_norm
+
+FOLD_MAX_HIDDEN = 2048  # widest input row the norm is folded for (see the module docstring)
 
 
 def _unhooked(module: nn.Module) -> bool:
@@ -55,6 +62,8 @@ def _fold(norm: RMSNorm, packed: PackedLinear | None, hidden, residual):
     """``(packed(norm(hidden + residual)), hidden + residual)`` in one launch, or None where it
     would not match the unfused path."""
     if packed is None or not _plain_norm(norm) or torch.is_autocast_enabled(hidden.device.type):
+        return None
+    if hidden.shape[-1] > FOLD_MAX_HIDDEN:
         return None
     inputs = (hidden, norm.weight) if residual is None else (hidden, residual, norm.weight)
     if not gemv_applies(packed.weight, *inputs):

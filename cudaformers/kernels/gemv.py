@@ -37,9 +37,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from . import l2_prefetch
 from .activation import _act_and_grad, _code
-from .l2_prefetch import prefetch_share
 from .pdl import pdl_enabled, release_dependents, wait_for_producer
 
 MAX_ROWS = 4
@@ -75,10 +73,9 @@ def _normed(s, rstd, norm_w):
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, u_ptr, w_ptr, b_ptr, y_ptr, nw_ptr, s_ptr, pf_ptr, pf_lines, N, K, eps, stride_xm, stride_um,
-                 stride_wn, stride_ym, ACT: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
-                 PREFETCH: tl.constexpr, PF_LINE: tl.constexpr):
+def _gemv_kernel(x_ptr, u_ptr, w_ptr, b_ptr, y_ptr, nw_ptr, s_ptr, N, K, eps, stride_xm, stride_um, stride_wn,
+                 stride_ym, ACT: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
     # Inputs by mode: plain (x), ACT (gate x, up u), NORM (x, residual u, norm weight nw, sum out s).
     pid_n = tl.program_id(0)
     m = tl.program_id(1)
@@ -96,8 +93,6 @@ def _gemv_kernel(x_ptr, u_ptr, w_ptr, b_ptr, y_ptr, nw_ptr, s_ptr, pf_ptr, pf_li
     w0 = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
     if NORM:
         nw0 = tl.load(nw_ptr + cols, mask=k_ok, other=0.0)  # a weight too: nothing in the step writes it
-    if PREFETCH:  # the next projection's weights (l2_prefetch.py), shared by the first row's programs
-        prefetch_share(pf_ptr, tl.where(m == 0, pf_lines, 0), pid_n, tl.num_programs(0), PF_LINE, 128)
     wait_for_producer(USE_PDL)
     release_dependents(USE_PDL)
     if NORM:
@@ -170,12 +165,10 @@ def _launch(x2, u2, weight, bias, act: int, norm: tuple | None = None) -> torch.
     grid = (triton.cdiv(n, block_n), m)
     pdl = pdl_enabled(x2.device)  # GEMVs run without autograd only: always an inference launch
     norm_w, eps, s = norm if norm is not None else (y, 0.0, None)
-    pf, pf_lines, pf_line = l2_prefetch.kernel_args(weight)
     _gemv_kernel[grid](x2, u2, weight, bias if bias is not None else y, y, norm_w, s if s is not None else y,
-                       pf, pf_lines, n, k, eps, x2.stride(0), u2.stride(0), weight.stride(0), y.stride(0), ACT=act,
+                       n, k, eps, x2.stride(0), u2.stride(0), weight.stride(0), y.stride(0), ACT=act,
                        NORM=norm is not None, HAS_RESIDUAL=s is not None, HAS_BIAS=bias is not None,
-                       BLOCK_N=block_n, BLOCK_K=block_k, USE_PDL=pdl, PREFETCH=pf_lines > 0, PF_LINE=pf_line,
-                       num_warps=4, num_stages=3, launch_pdl=pdl)
+                       BLOCK_N=block_n, BLOCK_K=block_k, USE_PDL=pdl, num_warps=4, num_stages=3, launch_pdl=pdl)
     return y
 
 
@@ -253,6 +246,4 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``F.linear``, through the GEMV kernel for decode-sized inputs."""
     if gemv_applies(weight, x):
         return gemv(x, weight, bias)
-    if x.device.type == "cuda" and not torch.is_grad_enabled():
-        l2_prefetch.prefetch_next(weight, x.numel() // max(x.shape[-1], 1))
     return F.linear(x, weight, bias)

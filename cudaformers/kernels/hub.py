@@ -66,9 +66,6 @@ def _linear(self, x):
     from .skinny_gemm import skinny_applies, skinny_linear
 
     if skinny_applies(self.weight, x):  # 5-16 rows: small decode batches, on tensor cores
-        from .l2_prefetch import prefetch_next
-
-        prefetch_next(self.weight, x.numel() // x.shape[-1])
         return skinny_linear(x, self.weight, self.bias)
     return linear(x, self.weight, self.bias)
 

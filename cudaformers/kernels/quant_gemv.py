@@ -31,8 +31,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import l2_prefetch
-from .l2_prefetch import prefetch_share
 from .pdl import pdl_enabled, release_dependents, wait_for_producer
 from .quant_matmul import FMT_INT8, _FMT_IDS, PackedWeight, kernel_args, sm_count
 
@@ -107,10 +105,10 @@ def _tile_dot(words, s, z, x_ptr, code_ptr, blk, K, FMT: tl.constexpr, BLOCK: tl
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, code_ptr, s2_ptr, offset, b_ptr, out_ptr, pf_ptr, pf_lines, N, K,
-                 n_blocks, ld_q, FMT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr,
+def _gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, code_ptr, s2_ptr, offset, b_ptr, out_ptr, N, K, n_blocks, ld_q,
+                 FMT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr,
                  HAS_ZEROS: tl.constexpr, DOUBLE: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-                 USE_PDL: tl.constexpr, PREFETCH: tl.constexpr, PF_LINE: tl.constexpr):
+                 USE_PDL: tl.constexpr):
     """``out [N] = W @ x + b`` for one row ``x [K]``; ``q_ptr`` is the packed weight as int32 words."""
     W: tl.constexpr = BLOCK * (8 if FMT == 0 else 4) // 32
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -119,8 +117,6 @@ def _gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, code_ptr, s2_ptr, offset, b_ptr, ou
     q_rows = q_ptr + rows.to(tl.int64)[:, None, None] * tl.multiple_of(ld_q, W)
     words, s, z = _load_tile(q_rows, s_ptr, z_ptr, s2_ptr, offset, rows, row_ok, bi, n_blocks, FMT, W, HAS_ZEROS,
                              DOUBLE)
-    if PREFETCH:  # the next projection's weights (l2_prefetch.py)
-        prefetch_share(pf_ptr, pf_lines, tl.program_id(0), tl.num_programs(0), PF_LINE, 128)
     wait_for_producer(USE_PDL)
     release_dependents(USE_PDL)
     # Registers double-buffer the weights: the next tile is requested before this one is worked on,
@@ -167,12 +163,11 @@ def quant_gemv(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = Non
     out = torch.empty(1, n, device=x.device, dtype=x.dtype)
     pdl = pdl_enabled(x.device)
     even = k == n_blocks * w.block and n_blocks % blocks == 0
-    pf, pf_lines, pf_line = l2_prefetch.kernel_args(w.qweight)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, words, *kernel_args(w)[1:], bias if bias is not None else out, out, pf, pf_lines, n, k, n_blocks,
-        words.stride(0), FMT=fmt, BLOCK=w.block, BLOCK_N=block_n, BLOCKS=blocks,
-        HAS_ZEROS=w.zeros is not None and fmt != FMT_INT8, DOUBLE=w.scales2 is not None, HAS_BIAS=bias is not None,
-        EVEN_K=even, USE_PDL=pdl, PREFETCH=pf_lines > 0, PF_LINE=pf_line, num_warps=warps, launch_pdl=pdl)
+        x, words, *kernel_args(w)[1:], bias if bias is not None else out, out, n, k, n_blocks, words.stride(0),
+        FMT=fmt, BLOCK=w.block, BLOCK_N=block_n, BLOCKS=blocks, HAS_ZEROS=w.zeros is not None and fmt != FMT_INT8,
+        DOUBLE=w.scales2 is not None, HAS_BIAS=bias is not None, EVEN_K=even, USE_PDL=pdl, num_warps=warps,
+        launch_pdl=pdl)
     return out
 
 
@@ -189,17 +184,14 @@ def _fp8_tile(w, x_ptr, k, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, pf_ptr, pf_lines, N, K, ld_w, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
-                     PREFETCH: tl.constexpr, PF_LINE: tl.constexpr):
+def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, N, K, ld_w, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr):
     """``out [N] = (W_fp8 @ x) * s + b`` for one row ``x [K]``; ``w_ptr`` is the e4m3 weight as bytes."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_K)
     row_ok = rows < N
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * ld_w
     w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & (cols < K)[None, :], other=0)
-    if PREFETCH:  # the next projection's weights (l2_prefetch.py)
-        prefetch_share(pf_ptr, pf_lines, tl.program_id(0), tl.num_programs(0), PF_LINE, 128)
     wait_for_producer(USE_PDL)
     release_dependents(USE_PDL)
     acc = _fp8_tile(w, x_ptr, cols, K, EVEN_K)
@@ -226,9 +218,8 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: t
         block_n *= 2
     out = torch.empty(1, n, device=x.device, dtype=x.dtype)
     pdl = pdl_enabled(x.device)
-    pf, pf_lines, pf_line = l2_prefetch.kernel_args(weight)
-    _fp8_gemv_kernel[(triton.cdiv(n, block_n),)](x, w, scale, bias if bias is not None else out, out, pf, pf_lines,
-                                                 n, k, w.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
+    _fp8_gemv_kernel[(triton.cdiv(n, block_n),)](x, w, scale, bias if bias is not None else out, out, n, k,
+                                                 w.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
                                                  HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, USE_PDL=pdl,
-                                                 PREFETCH=pf_lines > 0, PF_LINE=pf_line, num_warps=4, launch_pdl=pdl)
+                                                 num_warps=4, launch_pdl=pdl)
     return out
