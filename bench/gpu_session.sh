@@ -83,6 +83,17 @@ for part in "${parts[@]}"; do
     quant-8b) run quant-8b 100 python3 bench/quant.py --parts decode,qlora --shapes qwen3-8b \
                 --methods bf16,int8,int4,nf4 --json "$OUT/results.jsonl" ;;
     generate-overhead) run generate-overhead 90 python3 bench/generate_overhead.py ;;
+    multi) n=$(nvidia-smi -L | wc -l)  # issue-8 runs: every GPU of the machine (bench/distributed.py)
+           run multi-train-single 240 python3 bench/distributed.py train --strategy single --json "$OUT/multi.jsonl"
+           for s in ddp fsdp tp; do
+             run "multi-train-$s" 240 torchrun --nproc_per_node="$n" bench/distributed.py train --strategy "$s" \
+               --json "$OUT/multi.jsonl"
+           done
+           run multi-infer-tp 300 torchrun --nproc_per_node="$n" bench/distributed.py infer-tp --json "$OUT/multi.jsonl"
+           run multi-device-map 200 python3 bench/distributed.py device-map --json "$OUT/multi.jsonl"
+           run multi-device-map-swapped 200 env CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=1,0 \
+             python3 bench/distributed.py device-map --shape qwen3-0.6b --json "$OUT/multi.jsonl"
+           python3 bench/distributed.py report --json "$OUT/multi.jsonl" ;;
     fold-ab) run fold-ab 200 python3 bench/generate.py --skip-hf --workloads W1,W2,W3 \
                --variants triton+kernels,triton+kernels+nofold --json "$OUT/results.jsonl" ;;
     attention-graph) run attention-graph 200 python3 -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider -n 8 \

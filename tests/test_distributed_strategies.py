@@ -118,6 +118,23 @@ def qwen3_logits(ids):
             "heads": model.model.layers[0].self_attn.num_heads}
 
 
+def qwen3_generate(ids):
+    import tiny
+    from cudaformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny.checkpoint("qwen3"), dtype=torch.float32, tp_plan="auto")
+    out = model.generate(torch.tensor(ids), max_new_tokens=8, do_sample=False, eos_token_id=None)
+    return {"tokens": out.tolist()}
+
+
+def test_tp_plan_auto_generate_matches_single_process(tmp_path):
+    """generate() sizes its KV cache for the key/value heads each process holds after the split."""
+    ids = [[5, 9, 33, 100, 7, 2]]
+    want = qwen3_generate(ids)["tokens"]
+    for r in run_processes(qwen3_generate, 2, tmp_path, ids=ids):
+        assert r["tokens"] == want
+
+
 def test_tp_plan_auto_inference_matches_single_process(tmp_path):
     ids = [[5, 9, 33, 100, 7, 2], [1, 2, 3, 4, 5, 6]]
     want = torch.tensor(qwen3_logits(ids)["logits"])

@@ -26,7 +26,9 @@ class DecodeRunner:
         cfg, dev = model.config, model.device
         self.model, self.rows, self.capacity = model, rows, capacity
         devices = [layer.self_attn.q_proj.weight.device for layer in model.model.layers]
-        kv_heads = model.model.layers[0].self_attn.k_proj.weight.shape[0] // cfg.head_dim
+        # The heads this process holds: tensor parallelism divides them (and k_proj's DTensor weight
+        # would report the global shape).
+        kv_heads = model.model.layers[0].self_attn.num_kv_heads
         blocks_per_row = -(-capacity // block_size)
         self.cache = KVCache(cfg.num_hidden_layers, rows * blocks_per_row, block_size, kv_heads, cfg.head_dim,
                              model.dtype, devices)

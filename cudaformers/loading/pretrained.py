@@ -83,6 +83,11 @@ def load_pretrained(path_or_repo_id, *, model_class=None, dtype="auto", torch_dt
         from ..quant.apply import prepare_model_for_quantization
 
         prepare_model_for_quantization(model, quantization_config)
+    if tp_plan is not None and device_map is None:
+        from ..distributed.init import local_device
+
+        # Under torchrun each process loads the whole model onto its own GPU, then keeps its share.
+        device_map = str(local_device())
     placement = dm.plan(model, device_map, dtype, max_memory)
     _check_dtype_on_devices(dtype, placement)
     _materialize(model, placement)
