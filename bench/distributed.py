@@ -8,7 +8,7 @@
 
 train: a qwen3-0.6b-shaped model (random weights saved like the other benchmarks) trained for
 ``--steps`` steps with the Trainer, global batch 8 x 2048 tokens whatever the process count (8 / N
-per process), bf16 autocast, fp32 master weights, the same seeded data; each run appends its loss
+per process; tensor parallelism's processes all see the same 8), bf16 autocast, fp32 master weights, the same seeded data; each run appends its loss
 curve and throughput, and ``report`` compares each curve with the single-process one (largest
 relative difference) and gives tokens/s per GPU and the scaling efficiency against one GPU.
 infer-tp: greedy generate() of a 128-token prompt with ``tp_plan="auto"``, its tokens against one
@@ -79,14 +79,15 @@ def run_train(args) -> dict:
     cpu = args.shape == "tiny"
     seq = 64 if cpu else SEQ
     vocab = TINY["vocab_size"] if cpu else SHAPES[args.shape]["vocab_size"]
-    if GLOBAL_BATCH % world():
-        raise SystemExit(f"the global batch of {GLOBAL_BATCH} does not split over {world()} processes")
+    data_parallel = 1 if args.strategy == "tp" else world()  # TP's processes share every batch
+    if GLOBAL_BATCH % data_parallel:
+        raise SystemExit(f"the global batch of {GLOBAL_BATCH} does not split over {data_parallel} processes")
     g = torch.Generator().manual_seed(0)
     data = [{"input_ids": torch.randint(0, vocab, (seq,), generator=g).tolist()}
             for _ in range(GLOBAL_BATCH * args.steps)]
     out = Path(tempfile.gettempdir()) / f"bench-distributed-{args.strategy}-{world()}"
     kw = dict(ddp={}, fsdp=dict(fsdp="full_shard"), tp=dict(tp_size=world()), single={})[args.strategy]
-    targs = TrainingArguments(output_dir=str(out), per_device_train_batch_size=GLOBAL_BATCH // world(),
+    targs = TrainingArguments(output_dir=str(out), per_device_train_batch_size=GLOBAL_BATCH // data_parallel,
                               max_steps=args.steps, learning_rate=1e-4, warmup_steps=2, logging_steps=1,
                               save_strategy="no", seed=0, bf16=not cpu, use_cpu=cpu, disable_tqdm=True,
                               report_to=[], **kw)
