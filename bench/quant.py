@@ -141,7 +141,7 @@ def bench_gemv_tiles(methods, bw, env, json_path) -> list[dict]:
                 copies = [c.packed() for c in _copies(layer, nbytes)]
                 x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
                 n_blocks = w.qweight.shape[1] * 8 // w.bits // w.block
-                default = gemv_tiles(n, n_blocks, w.block * w.bits // 32, x.device)
+                default = gemv_tiles(n, n_blocks, w.block * w.bits // 32, x.device, int4=w.fmt == "int4")
                 blocks = sorted({max(1, default[1] // 2), default[1], min(default[1] * 2, n_blocks)})
                 for tiles in itertools.product((1, 2, 4, 8, 16), blocks, sorted({default[2], 8})):
                     try:

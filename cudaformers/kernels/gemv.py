@@ -41,7 +41,11 @@ from .activation import _act_and_grad, _code
 from .pdl import pdl_enabled, release_dependents, wait_for_producer
 
 MAX_ROWS = 4
-_ELEMENTS = 4096  # weights each program holds per K step (BLOCK_N * BLOCK_K)
+# How a GEMV is cut into programs: ``elements`` weights each program holds per K step (BLOCK_N *
+# BLOCK_K), at least ``programs_per_sm`` programs per SM before rows per program grow, ``warps`` per
+# program. bench/gemv_tiles.py sweeps these end to end (a decode step chains ~100 GEMVs, so a
+# kernel's ramp-up and tail matter as much as its streaming rate).
+TILING = dict(elements=4096, programs_per_sm=4, warps=4)
 _NO_ACT = -1      # ACT code of the plain GEMV: x is used as loaded
 
 
@@ -134,14 +138,15 @@ def _gemv_kernel(x_ptr, u_ptr, w_ptr, b_ptr, y_ptr, nw_ptr, s_ptr, N, K, eps, st
     tl.store(y_ptr + m.to(tl.int64) * stride_ym + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
 
 
-def _block_n(n: int, device: torch.device) -> int:
-    # Enough programs to cover every SM several times over, while keeping weight rows per program
-    # small; more rows per program only for very wide outputs (the vocabulary projection).
+def tiling(n: int, k: int, device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) for an ``[N, K]`` weight. Enough programs to cover every SM
+    several times over, while keeping weight rows per program small; more rows per program only for
+    wide outputs (gate/up, the vocabulary projection)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
     block = 1
-    while block < 16 and n // (block * 2) >= 4 * sms:
+    while block < 16 and n // (block * 2) >= TILING["programs_per_sm"] * sms:
         block *= 2
-    return block
+    return block, min(triton.next_power_of_2(k), max(TILING["elements"] // block, 16)), TILING["warps"]
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -160,15 +165,14 @@ def _launch(x2, u2, weight, bias, act: int, norm: tuple | None = None) -> torch.
     if weight.dim() != 2 or weight.shape[1] != k:
         raise ValueError(f"input rows of {k} features do not match the weight {tuple(weight.shape)} ([N, K])")
     y = torch.empty(m, n, device=x2.device, dtype=x2.dtype)
-    block_n = _block_n(n, x2.device)
-    block_k = min(triton.next_power_of_2(k), _ELEMENTS // block_n)
+    block_n, block_k, warps = tiling(n, k, x2.device)
     grid = (triton.cdiv(n, block_n), m)
     pdl = pdl_enabled(x2.device)  # GEMVs run without autograd only: always an inference launch
     norm_w, eps, s = norm if norm is not None else (y, 0.0, None)
     _gemv_kernel[grid](x2, u2, weight, bias if bias is not None else y, y, norm_w, s if s is not None else y,
                        n, k, eps, x2.stride(0), u2.stride(0), weight.stride(0), y.stride(0), ACT=act,
                        NORM=norm is not None, HAS_RESIDUAL=s is not None, HAS_BIAS=bias is not None,
-                       BLOCK_N=block_n, BLOCK_K=block_k, USE_PDL=pdl, num_warps=4, num_stages=3, launch_pdl=pdl)
+                       BLOCK_N=block_n, BLOCK_K=block_k, USE_PDL=pdl, num_warps=warps, num_stages=3, launch_pdl=pdl)
     return y
 
 
