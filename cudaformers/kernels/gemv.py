@@ -44,8 +44,10 @@ MAX_ROWS = 4
 # How a GEMV is cut into programs: ``elements`` weights each program holds per K step (BLOCK_N *
 # BLOCK_K), at least ``programs_per_sm`` programs per SM before rows per program grow, ``warps`` per
 # program. bench/gemv_tiles.py sweeps these end to end (a decode step chains ~100 GEMVs, so a
-# kernel's ramp-up and tail matter as much as its streaming rate).
-TILING = dict(elements=4096, programs_per_sm=4, warps=4)
+# kernel's ramp-up and tail matter as much as its streaming rate): on an H200, 16 KB per program
+# and two programs per SM beat 8 KB and four by 4-5% on W1 and W2 (bench/RESULTS.md run 9); most
+# 0.6b projections then fit one tile, all of it requested before the wait for the input.
+TILING = dict(elements=8192, programs_per_sm=2, warps=4)
 _NO_ACT = -1      # ACT code of the plain GEMV: x is used as loaded
 
 
