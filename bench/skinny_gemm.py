@@ -47,31 +47,37 @@ def weight_copies(n: int, k: int) -> list[torch.Tensor]:
 
 def sweep_configs(m: int, n: int, k: int) -> list[SkinnyConfig]:
     block_m = min(max(16, triton.next_power_of_2(m)), 128)
-    block_k = 128 if block_m <= 64 else 64
     out = []
-    for block_n, splits in itertools.product((32, 64, 128), (1, 2, 4, 8, 16)):
+    for block_n, block_k, splits, warps in itertools.product((16, 32, 64, 128), (64, 128, 256), (1, 2, 4, 8),
+                                                             (4, 8)):
+        if block_m > 64 and block_k > 128:
+            continue
         per = -(-k // block_k) // splits
         tiles = -(-n // block_n) * -(-m // block_m)
         if per >= 1 and (splits == 1 or tiles <= 4096):
-            out.append(SkinnyConfig(block_m, block_n, block_k, per * block_k,
+            out.append(SkinnyConfig(block_m, block_n, block_k, per * block_k, num_warps=warps,
                                     num_stages=pipeline_stages(block_m, block_n, block_k, DTYPE.itemsize, per)))
     return out
 
 
 def describe(cfg: SkinnyConfig, k: int) -> str:
-    return f"n{cfg.block_n}/m{cfg.block_m}/k{cfg.block_k} x{-(-k // cfg.k_split)} s{cfg.num_stages}"
+    return f"n{cfg.block_n}/m{cfg.block_m}/k{cfg.block_k} x{-(-k // cfg.k_split)} s{cfg.num_stages} w{cfg.num_warps}"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--m", type=int, nargs="+", default=[8, 16, 32, 64, 128], help="rows (tokens) per call")
     parser.add_argument("--sweep", action="store_true", help="also time a grid of launch plans per shape")
+    parser.add_argument("--models", default="0.6b,8b", help="which models' shapes to time")
     args = parser.parse_args()
+    models = args.models.split(",")
     t0 = time.perf_counter()
     sms = sm_count(torch.device("cuda"))
     rows, best_rows = [], []
     times: dict[tuple, tuple[float, float]] = {}
     for model, name, n, k in SHAPES:
+        if model not in models:
+            continue
         ws = weight_copies(n, k)
         for m in args.m:
             x = torch.randn(m, k, device="cuda", dtype=DTYPE)
@@ -104,10 +110,10 @@ def main() -> None:
     table(("shape", "wins at M", "loses at M"),
           [(f"{model} {name}", " ".join(str(m) for m in args.m if times[model, name, m][1] < times[model, name, m][0]),
             " ".join(str(m) for m in args.m if times[model, name, m][1] >= times[model, name, m][0]))
-           for model, name, _, _ in SHAPES])
+           for model, name, _, _ in SHAPES if model in models])
     print("\nper layer (4 projections summed)")
     layer_rows = []
-    for model, m in itertools.product(("0.6b", "8b"), args.m):
+    for model, m in itertools.product(models, args.m):
         pairs = [times[model, name, m] for mdl, name, _, _ in SHAPES if mdl == model and name in LAYER]
         cublas, ours, best = (sum(p[0] for p in pairs), sum(p[1] for p in pairs), sum(min(p) for p in pairs))
         layer_rows.append((model, str(m), f"{cublas:.1f}", f"{ours:.1f}", f"{best:.1f}", f"{cublas / best:.2f}x"))
