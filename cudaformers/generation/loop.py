@@ -2,14 +2,15 @@
 
 What a step does after the model (min-new-tokens masking, repetition penalty, sampling, padding of
 finished rows, the output column, stop flags) is ``advance``: fixed-shape tensor operations on
-``LoopState`` with no host reads. On a GPU the model step and ``advance`` are captured together
-(``DecodeRunner.loop_graph``), so a step costs the host one graph replay and the GPU no gaps
-between small launches. The host reads ``finished`` every ``SYNC_EVERY`` steps to stop early, or
-every step when a streamer or stop strings need the tokens.
+``LoopState`` with no host reads (for plain greedy decoding, two Triton launches). On a GPU the
+model step and ``advance`` are captured together (``DecodeRunner.loop_graph``), so a step costs the
+host one graph replay and the GPU no gaps between small launches. The host reads ``finished`` every
+``SYNC_EVERY`` steps to stop early, or every step when a streamer or stop strings need the tokens.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -96,7 +97,23 @@ class LoopState:
 
 
 def advance(logits: torch.Tensor, state: LoopState, generator: torch.Generator | None = None) -> None:
-    """Samples this step's token per row from ``logits [B, V]`` and records it; no host reads."""
+    """Samples this step's token per row from ``logits [B, V]`` and records it; no host reads.
+
+    Plain greedy decoding takes two Triton launches (``kernels/greedy_advance.py``) where Triton runs
+    (CUDA, or the interpreter); everything else, and the CPU, runs ``advance_torch``."""
+    kind = state.kind
+    on_triton = logits.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    if on_triton and generator is None and not (kind.sampling or kind.penalty):
+        from ..kernels.greedy_advance import greedy_advance, supports
+
+        if supports(logits, state):
+            greedy_advance(logits, state)
+            return
+    advance_torch(logits, state, generator)
+
+
+def advance_torch(logits: torch.Tensor, state: LoopState, generator: torch.Generator | None = None) -> None:
+    """``advance`` as torch ops, for every kind (the greedy kernel's reference)."""
     step = state.step
     logits = logits.float()
     if state.eos_mask is not None:

@@ -1,0 +1,163 @@
+"""generate()'s per-token bookkeeping for plain greedy decoding (``loop.advance``) in two launches.
+
+Greedy ``advance`` is a dozen tiny torch kernels per token (eos masking before min_new_tokens, cast,
+argmax, padding of finished rows, the output column, eos flags, ends, the next input, ``step +=
+1``); in the decode graph each costs a launch and a drain, 25-35 us of an ~860 us step at batch 1. Here it is two launches, bit-exact:
+
+- ``_partial_argmax``: grid ``(B, splits)``. One row is up to 150k logits; a single program per row
+  would stream it at one SM's rate (by estimate several us at batch 1), so the row is cut into
+  ``splits`` chunks of whole ``BLOCK_V`` tiles and each program leaves its chunk's (max, first index
+  of the max, first NaN index) in a scratch buffer. Each lane keeps a running best in registers:
+  one reduction per program, not per tile.
+- ``_finish``: one program combines the partials of every row and does the rest of ``advance``.
+  Combining needs every partial, and ``step += 1`` must follow every read of ``step``: a second
+  launch orders both for free, where one launch would need a grid-wide atomic counter that must
+  also be reset, inside a CUDA graph. One program reads ``step`` once and bumps it last.
+
+argmax is torch's on the fp32 values (bf16/fp16 widen exactly): the first index of the maximum, and
+a NaN counts as the maximum (the first NaN wins). Nothing is read back to the host: capturable. On
+Hopper both launches join the decode chain's programmatic dependent launch (``pdl.py``); they read
+only activations and loop state, so each waits before its first load.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .pdl import pdl_enabled, release_dependents, wait_for_producer
+
+LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+BLOCK_V = 4096  # logits one program loads per tile
+MAX_SPLITS = 64  # programs per row at most (longer rows give each program several tiles)
+_NONE = tl.constexpr(2 ** 31 - 1)  # "no index": above every column
+
+
+@triton.jit
+def _partial_argmax(LOGITS, PVAL, PIDX, n_cols, stride_row, chunk, n_splits, EOS, STEP, MIN_NEW,
+                    BLOCK: tl.constexpr, MASK_EOS: tl.constexpr, EOS_SLOTS: tl.constexpr, USE_PDL: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    wait_for_producer(USE_PDL)
+    release_dependents(USE_PDL)
+    start = split * chunk
+    lanes = tl.arange(0, BLOCK)
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_idx = tl.full([BLOCK], _NONE, tl.int32)
+    nan_idx = tl.full([BLOCK], _NONE, tl.int32)
+    if MASK_EOS:  # min_new_tokens: eos logits are -inf until then (a NaN there too, as masked_fill does)
+        masking = tl.load(STEP) < tl.load(MIN_NEW)
+    for off in range(0, chunk, BLOCK):
+        cols = start + off + lanes
+        ok = (cols < n_cols) & (off + lanes < chunk)
+        x = tl.load(LOGITS + row * stride_row + cols, mask=ok, other=float("-inf")).to(tl.float32)
+        if MASK_EOS:
+            is_eos = cols < 0
+            for i in tl.static_range(EOS_SLOTS):  # -1 pads the list: never a column
+                is_eos = is_eos | (cols == tl.load(EOS + i))
+            x = tl.where(is_eos & masking, float("-inf"), x)
+        is_nan = x != x
+        # Tiles come in column order, so a strictly greater value (or a lane's first) keeps the first index.
+        take = ok & (~is_nan) & ((x > best) | (best_idx == _NONE))
+        best = tl.where(take, x, best)
+        best_idx = tl.where(take, cols, best_idx)
+        nan_idx = tl.minimum(nan_idx, tl.where(ok & is_nan, cols, _NONE))
+    top = tl.max(best, 0)
+    out = row * n_splits + split
+    tl.store(PVAL + out, top)
+    tl.store(PIDX + out, tl.min(tl.where((best == top) & (best_idx != _NONE), best_idx, _NONE), 0))
+    tl.store(PIDX + tl.num_programs(0) * n_splits + out, tl.min(nan_idx, 0))
+
+
+@triton.jit
+def _finish(PVAL, PIDX, n_rows, n_splits, TOKENS, OUT, stride_out, capacity, FINISHED, ENDS, EOS, n_eos,
+            PAD, STEP, MAX_NEW, BLOCK_B: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr,
+            USE_PDL: tl.constexpr):
+    wait_for_producer(USE_PDL)
+    release_dependents(USE_PDL)
+    step = tl.load(STEP)
+    pad = tl.load(PAD)
+    max_new = tl.load(MAX_NEW)
+    e = tl.arange(0, BLOCK_E)[None, :]
+    eos = tl.load(EOS + e, mask=e < n_eos, other=-1)
+    s = tl.arange(0, BLOCK_S)[None, :]
+    for b0 in range(0, n_rows, BLOCK_B):
+        rows = b0 + tl.arange(0, BLOCK_B)
+        row_ok = rows < n_rows
+        ok = row_ok[:, None] & (s < n_splits)
+        part = rows[:, None] * n_splits + s
+        val = tl.load(PVAL + part, mask=ok, other=float("-inf"))
+        idx = tl.load(PIDX + part, mask=ok, other=_NONE)
+        first_nan = tl.min(tl.load(PIDX + n_rows * n_splits + part, mask=ok, other=_NONE), 1)
+        top = tl.max(val, 1)
+        first_top = tl.min(tl.where(val == top[:, None], idx, _NONE), 1)
+        token = tl.where(first_nan != _NONE, first_nan, first_top).to(tl.int64)
+        done = tl.load(FINISHED + rows, mask=row_ok, other=0) != 0
+        token = tl.where(done, pad, token)
+        if step < capacity:  # the torch path's index_copy_ rejects a column past the buffer; skipped here
+            tl.store(OUT + rows * stride_out + step, token, mask=row_ok)
+        hit = tl.sum(((token[:, None] == eos) & (e < n_eos)).to(tl.int32), 1) > 0
+        done = done | hit
+        tl.store(FINISHED + rows, done, mask=row_ok)
+        ends = tl.load(ENDS + rows, mask=row_ok)
+        tl.store(ENDS + rows, tl.where(done & (ends == max_new), step + 1, ends), mask=row_ok)
+        tl.store(TOKENS + rows, token, mask=row_ok)
+    tl.store(STEP, step + 1)
+
+
+def is_greedy(kind) -> bool:
+    """Whether a ``LoopKind`` is plain greedy: argmax of the logits (top-k/p and min-p only act when
+    sampling) with eos masked before min_new_tokens, no repetition penalty."""
+    return not (kind.sampling or kind.penalty)
+
+
+def supports(logits: torch.Tensor, state) -> bool:
+    """Whether ``greedy_advance`` takes these (else: ``greedy_advance_reference``)."""
+    import os
+
+    on_triton = logits.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    flat = (state.tokens, state.finished, state.ends, state.eos)
+    return (on_triton and is_greedy(state.kind) and logits.dim() == 2 and logits.dtype in LOGIT_DTYPES
+            and logits.shape[0] == state.out.shape[0] and 0 < logits.shape[1] < 2 ** 31 - 1
+            and logits.stride(1) == 1 and state.out.stride(1) == 1
+            and all(t.is_contiguous() and t.device == logits.device for t in flat))
+
+
+def greedy_advance(logits: torch.Tensor, state) -> None:
+    """``loop.advance(logits, state)`` for a plain greedy ``state.kind``: the argmax of ``logits [B, V]``
+    per row, padded where finished, into ``out[:, step]``, ``tokens``, ``finished``, ``ends``; ``step += 1``."""
+    if not is_greedy(state.kind):
+        raise ValueError(f"greedy_advance: {state.kind} is not plain greedy decoding (no sampling or "
+                         f"repetition penalty)")
+    if not supports(logits, state):
+        raise ValueError(f"greedy_advance: needs logits [B={state.out.shape[0]}, V] of {LOGIT_DTYPES} with a unit "
+                         f"column stride on CUDA (or the interpreter), and contiguous loop buffers on its device; "
+                         f"got {tuple(logits.shape)} {logits.dtype}, strides {logits.stride()}, on {logits.device}")
+    rows, cols = logits.shape
+    chunk = max(1, triton.cdiv(triton.cdiv(cols, MAX_SPLITS), BLOCK_V)) * BLOCK_V
+    splits = triton.cdiv(cols, chunk)
+    pval = torch.empty(rows, splits, dtype=torch.float32, device=logits.device)
+    pidx = torch.empty(2, rows, splits, dtype=torch.int32, device=logits.device)
+    pdl = pdl_enabled(logits.device)
+    _partial_argmax[(rows, splits)](logits, pval, pidx, cols, logits.stride(0), chunk, splits, state.eos,
+                                    state.step, state.min_new, BLOCK=BLOCK_V, MASK_EOS=state.kind.min_new,
+                                    EOS_SLOTS=state.eos.numel(), USE_PDL=pdl, num_warps=4, launch_pdl=pdl)
+    block_s = triton.next_power_of_2(splits)
+    block_b = min(triton.next_power_of_2(rows), max(1, 2048 // block_s))
+    _finish[(1,)](pval, pidx, rows, splits, state.tokens, state.out, state.out.stride(0), state.out.shape[1],
+                  state.finished, state.ends, state.eos, state.eos.numel(), state.pad, state.step, state.max_new,
+                  BLOCK_B=block_b, BLOCK_S=block_s, BLOCK_E=triton.next_power_of_2(max(state.eos.numel(), 1)),
+                  USE_PDL=pdl, num_warps=4, launch_pdl=pdl)
+
+
+def greedy_advance_reference(logits: torch.Tensor, state) -> None:
+    """The torch ops ``loop.advance`` runs for a plain greedy kind (``logits.float().argmax(-1)``, ...)."""
+    from ..generation.loop import advance_torch
+
+    if not is_greedy(state.kind):
+        raise ValueError(f"greedy_advance_reference: {state.kind} is not plain greedy decoding")
+    advance_torch(logits, state)
+
+
+__all__ = ["greedy_advance", "greedy_advance_reference", "supports", "is_greedy"]
