@@ -33,6 +33,7 @@ CASES = {
     "rms_norm": ("weights", False),
     "rms_norm_residual": ("weights", False),
     "qk_norm_rope": ("weights", False),
+    "qk_norm_rope_store": ("weights", False),
     "kv_store": ("none", False),
     "act_and_mul": ("none", False),
 }
@@ -41,6 +42,7 @@ PLAIN = ("act_and_mul_pdl_off", "act_and_mul_backward")
 
 def _cases():
     """name -> (module, kernel attribute, call that launches it with bf16 weights, fp32 activations)."""
+    from cudaformers.attention.kv_cache import KVStore
     from cudaformers.kernels import activation, gemv, kv_store, qk_norm_rope, rms_norm
 
     bf, f32 = torch.bfloat16, torch.float32
@@ -65,6 +67,10 @@ def _cases():
                               lambda: rms_norm.rms_norm_forward(x, w[0], 1e-6, residual=x, pdl=True)),
         "qk_norm_rope": (qk_norm_rope, "_qk_norm_rope_kernel", lambda: qk_norm_rope.qk_norm_rope_forward(
             qkv[:, :64].view(2, 2, 32), qkv[:, 64:96].view(2, 1, 32), cos, sin, w[0, :32], w[1, :32])),
+        # The KV-cache store fused in: one launch, k's and v's cache writes after the wait too.
+        "qk_norm_rope_store": (qk_norm_rope, "_qk_norm_rope_kernel", lambda: qk_norm_rope.qk_norm_rope_forward(
+            qkv[:, :64].view(2, 2, 32), qkv[:, 64:96].view(2, 1, 32), cos, sin, w[0, :32], w[1, :32],
+            kv_store=KVStore(qkv[:, 96:].view(2, 1, 32), cache, cache.clone(), torch.tensor([3, 9])))),
         "kv_store": (kv_store, "_store_kv_kernel", lambda: kv_store.store_kv_triton(
             cache, cache.clone(), qkv[:, :32].view(2, 1, 32), qkv[:, 32:64].view(2, 1, 32), torch.tensor([3, 9]))),
         "act_and_mul": (activation, "_act_mul_fwd",

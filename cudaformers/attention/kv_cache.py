@@ -7,6 +7,8 @@ table that gives each row its own contiguous blocks, so one set of attention ker
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 
@@ -60,6 +62,23 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     flat_v = v_cache.view(-1, *v_cache.shape[2:])
     flat_k.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     flat_v.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+class KVStore(NamedTuple):
+    """Where one layer's new keys and values go: v ``[T, Hkv, D]`` and the cache slots to write.
+
+    The attention layer hands this to its rotary module together with q and k, so that a kernel
+    which produces the rotated keys can write them (and v) into the cache in the same launch; the
+    plain module calls ``store`` once k is final. Either way the store is done when it returns.
+    """
+
+    v: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+
+    def store(self, k: torch.Tensor) -> None:
+        store_kv(self.k_cache, self.v_cache, k, self.v, self.slot_mapping)
 
 
 def gather_slots(block_table: torch.Tensor, block_size: int, max_len: int) -> torch.Tensor:

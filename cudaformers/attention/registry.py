@@ -7,7 +7,8 @@ A backend declares what it supports and implements two entry points:
 * ``with_cache(q, k_cache, v_cache, batch, scale, window)``: queries attend to everything their
   sequence has in the paged cache (decode, chunked prefill, prefix hits), bottom-right causal.
 
-``AttentionBackend.__call__`` writes the new k/v to the cache first and routes between the two.
+``AttentionBackend.__call__`` writes the new k/v to the cache first (unless the caller already did:
+``kv_stored``, see ``layers.attention.ApplyRotary``) and routes between the two.
 """
 
 from __future__ import annotations
@@ -64,10 +65,12 @@ class AttentionBackend:
             return "has no backward pass (inference only)"
         return None
 
-    def __call__(self, q, k, v, batch: AttentionBatch, layer_idx: int, scale: float, window: int | None):
+    def __call__(self, q, k, v, batch: AttentionBatch, layer_idx: int, scale: float, window: int | None,
+                 kv_stored: bool = False):
         cache = batch.kv_cache
         if cache is not None:
-            store_kv(cache.k[layer_idx], cache.v[layer_idx], k, v, batch.slot_mapping)
+            if not kv_stored:
+                store_kv(cache.k[layer_idx], cache.v[layer_idx], k, v, batch.slot_mapping)
             if batch.has_context:
                 return self.with_cache(q, cache.k[layer_idx], cache.v[layer_idx], batch, scale, window)
         return self.prefill(q, k, v, batch, scale, window)

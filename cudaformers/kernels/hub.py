@@ -41,18 +41,21 @@ def _rms_norm(self, x, residual=None):
     return rms_norm(x, self.weight, self.variance_epsilon, residual, out_dtype)
 
 
-def _rotary(self, q, k, cos, sin, q_norm=None, k_norm=None):
+def _rotary(self, q, k, cos, sin, q_norm=None, k_norm=None, kv_store=None):
     from .rotary import apply_rotary
 
     if q_norm is not None:
         q, k = q_norm(q), k_norm(k)
-    return apply_rotary(q, k, cos, sin)
+    q, k = apply_rotary(q, k, cos, sin)
+    if kv_store is not None:  # ApplyRotary's contract: the cache holds k and v on return
+        kv_store.store(k)
+    return q, k
 
 
-def _qk_norm_rope(self, q, k, cos, sin, q_norm=None, k_norm=None):
+def _qk_norm_rope(self, q, k, cos, sin, q_norm=None, k_norm=None, kv_store=None):
     from .qk_norm_rope import qk_norm_rope
 
-    return qk_norm_rope(q, k, cos, sin, q_norm, k_norm)
+    return qk_norm_rope(q, k, cos, sin, q_norm, k_norm, kv_store)
 
 
 def _act_and_mul(self, gate, up):
@@ -195,8 +198,8 @@ LAYER_TYPES = {t.name: t for t in [
               "RMSNorm with the residual add fused in"),
     LayerType("rotary_pos_emb", _is("cudaformers.layers.attention.ApplyRotary"),
               {"cudaformers:rotary": _rotary, "cudaformers:qk_norm_rope": _qk_norm_rope},
-              "q/k norm + rotary: one launch for both in inference (qk_norm_rope), in place with a backward "
-              "in training (rotary)",
+              "q/k norm + rotary: one launch for both in inference (qk_norm_rope, which also writes k and v to "
+              "the KV cache), in place with a backward in training (rotary)",
               forward_only=("cudaformers:qk_norm_rope",), mode_defaults={"inference": "cudaformers:qk_norm_rope"}),
     LayerType("SiluAndMul", _is("cudaformers.layers.mlp.GatedActivation", name=_SILU),
               {"cudaformers:act_and_mul": _act_and_mul}, "silu(gate) * up"),

@@ -10,6 +10,11 @@ Everything is computed in fp32 from the loaded values and rounded once, at the s
 backward: this is the inference kernel of the "rotary_pos_emb" layer type; when autograd needs
 gradients through q or k it hands over to the differentiable kernels (``rms_norm`` + ``rotary``).
 On Hopper it launches as part of the decode chain's programmatic dependent launch (``pdl.py``).
+
+Given the layer's ``KVStore`` (v and the cache slots) the same launch also writes the rotated k, as
+rounded for the output, and v into the paged KV cache, exactly as ``store_kv`` would afterwards: the
+separate store kernel leaves the decode chain. Where the fused store could round differently from
+``store_kv`` (see ``_fusable``) the store runs unfused.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import triton
 import triton.language as tl
 
 from ..layers.rotary import apply_rotary_reference
+from .kv_store import supports as store_supported
 from .pdl import pdl_enabled, release_dependents, wait_for_producer
 
 logger = logging.getLogger("cudaformers")
@@ -28,8 +34,9 @@ logger = logging.getLogger("cudaformers")
 
 @triton.jit
 def _norm_rope_heads(x_ptr, o_ptr, w_ptr, cos_row, sin_row, stride_t, stride_h, t, n_heads, eps, half, rot,
+                     cache_ptr, slot_ptr,
                      HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                     USE_PDL: tl.constexpr):
+                     USE_PDL: tl.constexpr, STORE: tl.constexpr):
     cols = tl.arange(0, BLOCK_D)[None, :]
     col_ok = cols < HEAD_DIM
     # rotate_half: channel c < half pairs with c + half (and subtracts it), half <= c < rot with c - half.
@@ -43,6 +50,9 @@ def _norm_rope_heads(x_ptr, o_ptr, w_ptr, cos_row, sin_row, stride_t, stride_h, 
     # cos/sin are computed from the step's positions, q/k by the projection: both after the wait.
     wait_for_producer(USE_PDL)
     release_dependents(USE_PDL)
+    if STORE:  # slots come from the step's inputs: after the wait. Negative ones (padding) are skipped.
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        cache_row = cache_ptr + slot * n_heads * HEAD_DIM
     if HAS_NORM:
         w = w.to(tl.float32)
         w_partner = w_partner.to(tl.float32)
@@ -58,27 +68,54 @@ def _norm_rope_heads(x_ptr, o_ptr, w_ptr, cos_row, sin_row, stride_t, stride_h, 
             rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)    # [BLOCK_H]
             x = x * rstd[:, None] * w
             xp = xp * rstd[:, None] * w_partner
-        y = x * c + xp * s
-        tl.store(o_ptr + (t * n_heads + heads) * HEAD_DIM + cols, y.to(o_ptr.dtype.element_ty), mask=mask)
+        y = (x * c + xp * s).to(o_ptr.dtype.element_ty)
+        tl.store(o_ptr + (t * n_heads + heads) * HEAD_DIM + cols, y, mask=mask)
+        if STORE:  # the output's rounding first, then the cache's cast: what store_kv does with the output
+            if slot >= 0:
+                tl.store(cache_row + heads * HEAD_DIM + cols, y.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _copy_heads(x_ptr, cache_ptr, slot_ptr, stride_t, stride_h, t, n_heads,
+                HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
+    """v into its cache slot, as ``_store_kv_kernel`` copies it."""
+    wait_for_producer(USE_PDL)
+    release_dependents(USE_PDL)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:
+        cols = tl.arange(0, BLOCK_D)[None, :]
+        for h0 in range(0, n_heads, BLOCK_H):
+            heads = h0 + tl.arange(0, BLOCK_H)[:, None]
+            mask = (heads < n_heads) & (cols < HEAD_DIM)
+            x = tl.load(x_ptr + t * stride_t + heads * stride_h + cols, mask=mask)
+            tl.store(cache_ptr + (slot * n_heads + heads) * HEAD_DIM + cols, x.to(cache_ptr.dtype.element_ty),
+                     mask=mask)
 
 
 @triton.jit
 def _qk_norm_rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr,
-                         stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, stride_st,
+                         v_ptr, kc_ptr, vc_ptr, slot_ptr,
+                         stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, stride_st, stride_vt, stride_vh,
                          n_q_heads, n_kv_heads, q_eps, k_eps, half, rot,
                          HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr,
                          BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr,
-                         USE_PDL: tl.constexpr):
+                         USE_PDL: tl.constexpr, STORE: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     cos_row = cos_ptr + t * stride_ct
     sin_row = sin_ptr + t * stride_st
-    # Axis 1 picks q or k: two programs per token keep the k heads off the q heads' critical path.
-    if tl.program_id(1) == 0:
+    # Axis 1 picks q, k or (with STORE) v: one program each keeps the k heads and the v copy off the
+    # q heads' critical path.
+    part = tl.program_id(1)
+    if part == 0:
         _norm_rope_heads(q_ptr, qo_ptr, qw_ptr, cos_row, sin_row, stride_qt, stride_qh, t, n_q_heads, q_eps,
-                         half, rot, HEAD_DIM, HAS_NORM, BLOCK_HQ, BLOCK_D, USE_PDL)
-    else:
+                         half, rot, qo_ptr, slot_ptr, HEAD_DIM, HAS_NORM, BLOCK_HQ, BLOCK_D, USE_PDL, False)
+    elif part == 1:
         _norm_rope_heads(k_ptr, ko_ptr, kw_ptr, cos_row, sin_row, stride_kt, stride_kh, t, n_kv_heads, k_eps,
-                         half, rot, HEAD_DIM, HAS_NORM, BLOCK_HK, BLOCK_D, USE_PDL)
+                         half, rot, kc_ptr, slot_ptr, HEAD_DIM, HAS_NORM, BLOCK_HK, BLOCK_D, USE_PDL, STORE)
+    else:
+        if STORE:
+            _copy_heads(v_ptr, vc_ptr, slot_ptr, stride_vt, stride_vh, t, n_kv_heads,
+                        HEAD_DIM, BLOCK_HK, BLOCK_D, USE_PDL)
 
 
 def _heads_per_tile(n_heads: int, block_d: int) -> int:
@@ -94,8 +131,31 @@ def _norm_params(norm, name: str):
     return weight, float(eps)
 
 
-def qk_norm_rope_forward(q, k, cos, sin, q_weight=None, k_weight=None, q_eps: float = 1e-6, k_eps: float = 1e-6):
-    """The kernel call: returns new contiguous ``(q, k)``; weights ``[D]`` both given or both None."""
+def _fusable(kv_store, k_dtype: torch.dtype, shape: tuple, device: torch.device) -> bool:
+    """Whether the fused store writes exactly what ``store_kv(..., k_out, v, ...)`` would."""
+    v, k_cache, v_cache, slots = kv_store
+    if not store_supported(k_cache, v_cache) or v.shape != shape or k_cache.shape[2:] != shape[1:]:
+        return False  # store_kv's PyTorch copy (fp8 caches...) or its error
+    if slots.shape != shape[:1] or not slots.is_contiguous():
+        return False
+    if any(x.device != device for x in (v, k_cache, v_cache, slots)):
+        return False
+    if torch.is_grad_enabled() and v.requires_grad:
+        return False  # store_kv copies with PyTorch then
+    if device.type == "cuda":
+        return True  # store_kv runs the Triton store there: the same casts as the fused one
+    # Elsewhere store_kv casts with PyTorch, which rounds to nearest where Triton's interpreter
+    # truncates (fp32 -> bf16): only exact casts (none, a widening to fp32) are sure to agree.
+    return all(c.dtype in (x, torch.float32) for c, x in ((k_cache, k_dtype), (v_cache, v.dtype)))
+
+
+def qk_norm_rope_forward(q, k, cos, sin, q_weight=None, k_weight=None, q_eps: float = 1e-6, k_eps: float = 1e-6,
+                         kv_store=None):
+    """The kernel call: returns new contiguous ``(q, k)``; weights ``[D]`` both given or both None.
+
+    With ``kv_store`` (``attention.kv_cache.KVStore``) the returned k and ``kv_store.v`` are in the
+    cache on return: written by the same launch where ``_fusable``, else by ``store_kv`` after it.
+    """
     if (q_weight is None) != (k_weight is None):
         raise ValueError("qk_norm_rope: pass both q and k norm weights, or neither")
     if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
@@ -120,25 +180,31 @@ def qk_norm_rope_forward(q, k, cos, sin, q_weight=None, k_weight=None, q_eps: fl
     sin = sin if sin.stride(-1) == 1 else sin.contiguous()
     q_out = torch.empty((t, hq, d), device=q.device, dtype=q_dtype)
     k_out = torch.empty((t, hkv, d), device=k.device, dtype=k_dtype)
-    if t == 0:
-        return q_out, k_out
-    block_d = triton.next_power_of_2(d)
-    pdl = pdl_enabled(q.device)  # no backward: always an inference launch
-    _qk_norm_rope_kernel[(t, 2)](
-        q, k, q_out, k_out, q_weight if has_norm else cos, k_weight if has_norm else cos, cos, sin,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),
-        hq, hkv, q_eps, k_eps, rot // 2, rot,
-        HEAD_DIM=d, HAS_NORM=has_norm, BLOCK_HQ=_heads_per_tile(hq, block_d), BLOCK_HK=_heads_per_tile(hkv, block_d),
-        BLOCK_D=block_d, USE_PDL=pdl, num_warps=4 if block_d * triton.next_power_of_2(max(hq, hkv)) >= 2048 else 2,
-        launch_pdl=pdl)
+    fused = kv_store is not None and t > 0 and _fusable(kv_store, k_dtype, (t, hkv, d), q.device)
+    if t > 0:
+        v, k_cache, v_cache, slots = kv_store if fused else (k, k_out, k_out, k)  # unused without STORE
+        v = v if v.stride(-1) == 1 else v.contiguous()
+        block_d = triton.next_power_of_2(d)
+        pdl = pdl_enabled(q.device)  # no backward: always an inference launch
+        _qk_norm_rope_kernel[(t, 3 if fused else 2)](
+            q, k, q_out, k_out, q_weight if has_norm else cos, k_weight if has_norm else cos, cos, sin,
+            v, k_cache, v_cache, slots,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0), v.stride(0), v.stride(1),
+            hq, hkv, q_eps, k_eps, rot // 2, rot,
+            HEAD_DIM=d, HAS_NORM=has_norm, BLOCK_HQ=_heads_per_tile(hq, block_d),
+            BLOCK_HK=_heads_per_tile(hkv, block_d), BLOCK_D=block_d, USE_PDL=pdl, STORE=fused,
+            num_warps=4 if block_d * triton.next_power_of_2(max(hq, hkv)) >= 2048 else 2, launch_pdl=pdl)
+    if kv_store is not None and not fused:
+        kv_store.store(k_out)
     return q_out, k_out
 
 
 _warned_grad = False
 
 
-def qk_norm_rope(q, k, cos, sin, q_norm=None, k_norm=None):
-    """``ApplyRotary.forward`` as one launch: optional per-head norm (the modules' weight and eps), then rope."""
+def qk_norm_rope(q, k, cos, sin, q_norm=None, k_norm=None, kv_store=None):
+    """``ApplyRotary.forward`` as one launch: optional per-head norm (the modules' weight and eps), then
+    rope, and with a ``kv_store`` the KV-cache write of the new k and v."""
     if (q_norm is None) != (k_norm is None):
         raise ValueError("qk_norm_rope: pass both q_norm and k_norm, or neither")
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
@@ -155,12 +221,15 @@ def qk_norm_rope(q, k, cos, sin, q_norm=None, k_norm=None):
             k = rms_norm(k, *_norm_params(k_norm, "k_norm"))
         else:  # the rotation is in place: do not modify the caller's projections
             q, k = q.clone(), k.clone()
-        return apply_rotary(q, k, cos, sin)
+        q, k = apply_rotary(q, k, cos, sin)
+        if kv_store is not None:
+            kv_store.store(k)
+        return q, k
     if q_norm is None:
-        return qk_norm_rope_forward(q, k, cos, sin)
+        return qk_norm_rope_forward(q, k, cos, sin, kv_store=kv_store)
     qw, qe = _norm_params(q_norm, "q_norm")
     kw, ke = _norm_params(k_norm, "k_norm")
-    return qk_norm_rope_forward(q, k, cos, sin, qw, kw, qe, ke)
+    return qk_norm_rope_forward(q, k, cos, sin, qw, kw, qe, ke, kv_store)
 
 
 def qk_norm_rope_reference(q, k, cos, sin, q_weight=None, k_weight=None, q_eps: float = 1e-6, k_eps: float = 1e-6):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..attention.kv_cache import KVStore
 from .norm import RMSNorm
 from .rotary import apply_rotary_reference
 
@@ -13,13 +14,18 @@ class ApplyRotary(nn.Module):
     """Per-head RMSNorm of q and k (when the family has it), then rotary embeddings.
 
     One module for both steps so that a kernel swapped in from outside can fuse them; the norm
-    modules stay on the attention layer under their Hugging Face names and are passed in.
+    modules stay on the attention layer under their Hugging Face names and are passed in. With a
+    ``kv_store`` (a ``KVStore``) the rotated k and the given v are also written to the KV cache
+    before returning: the kernel that produces k can store it itself, one launch fewer per layer.
     """
 
-    def forward(self, q, k, cos, sin, q_norm=None, k_norm=None):
+    def forward(self, q, k, cos, sin, q_norm=None, k_norm=None, kv_store: KVStore | None = None):
         if q_norm is not None:
             q, k = q_norm(q), k_norm(k)
-        return apply_rotary_reference(q, k, cos, sin)
+        q, k = apply_rotary_reference(q, k, cos, sin)
+        if kv_store is not None:
+            kv_store.store(k)
+        return q, k
 
 
 class Attention(nn.Module):
@@ -56,6 +62,9 @@ class Attention(nn.Module):
         t, d = q.shape[0], self.head_dim
         # -1 head counts: under tensor parallelism each rank holds a slice of the heads.
         q, k, v = q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)
-        q, k = self.rotary(q, k, cos, sin, self.q_norm, self.k_norm)
-        out = self.backend(q, k, v, batch, self.layer_idx, self.scaling, self.sliding_window)
+        cache, i = batch.kv_cache, self.layer_idx
+        # The cache write belongs to the rotary module (see ApplyRotary), so the backend skips its own.
+        store = None if cache is None else KVStore(v, cache.k[i], cache.v[i], batch.slot_mapping)
+        q, k = self.rotary(q, k, cos, sin, self.q_norm, self.k_norm, kv_store=store)
+        out = self.backend(q, k, v, batch, i, self.scaling, self.sliding_window, kv_stored=store is not None)
         return self.o_proj(out.reshape(t, -1))
