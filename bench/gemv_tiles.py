@@ -14,30 +14,21 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import emit, environment, random_checkpoint  # noqa: E402
+from generate_overhead import call_ms  # noqa: E402
 
 NEW = 256
 
 
 def tok_per_s(model, ids, reps: int) -> float:
-    kw = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, eos_token_id=None)
-    model.generate(ids, **kw)  # captures this tiling's graphs
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        model.generate(ids, **kw)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    return NEW / statistics.median(times)
+    model.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, eos_token_id=None)  # capture
+    return NEW / call_ms(model, ids, NEW, reps) * 1e3
 
 
 def sweep(shape: str, tilings: list[dict], reps: int, env: dict, json_path: str | None) -> list[tuple[float, dict]]:

@@ -5,7 +5,6 @@ the CPU; the full-size and CUDA-graph checks are in tests/gpu/test_greedy_advanc
 
 import json
 import os
-import subprocess
 import sys
 
 import torch
@@ -219,12 +218,10 @@ def _ptx_events() -> dict:
 
 
 def test_both_launches_compile_and_keep_the_pdl_contract():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": path}
-    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600, cwd=root)
-    assert done.returncode == 0, done.stderr[-4000:]
-    probe = json.loads(done.stdout.strip().splitlines()[-1])
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from test_kernels_pdl import run_probe
+
+    probe = run_probe(__file__)
     assert sorted(probe) == ["_finish", "_partial_argmax"]
     for name, got in probe.items():
         events = got["events"]

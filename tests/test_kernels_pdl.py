@@ -150,14 +150,20 @@ def _probe() -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def probe():
+def run_probe(script: str) -> dict:
+    """Runs a test file as a script with the interpreter off (compiled Triton) and returns the JSON
+    its last output line holds."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": path}
-    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600, cwd=root)
+    done = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=600, cwd=root)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def probe():
+    return run_probe(__file__)
 
 
 def _summary(events):

@@ -2,6 +2,9 @@
 8 kv heads, head_dim 128, bf16): bit for bit the unfused path (the kernel, then store_kv's Triton
 store), eagerly and inside a CUDA graph, and a qwen3-0.6b-shaped model decoding with it."""
 
+import os
+import sys
+
 import pytest
 import torch
 
@@ -79,21 +82,10 @@ def test_fused_store_in_a_cuda_graph():
 
 
 def _qwen3_06b_shaped(seed=0):
-    from cudaformers import AutoConfig, AutoModelForCausalLM
-    from cudaformers.kernels.fused_projections import fuse_projections
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from test_decode_fusion_gpu import _qwen3_06b_shaped as shaped
 
-    config = AutoConfig.for_model("qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                                  num_attention_heads=HQ, num_key_value_heads=HKV, head_dim=D, vocab_size=151936,
-                                  max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=1e6,
-                                  tie_word_embeddings=True, hidden_act="silu", architectures=["Qwen3ForCausalLM"])
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, device=DEV).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-    fuse_projections(model)
-    return model
+    return shaped(seed)
 
 
 @pytest.mark.parametrize("attn", ["triton", "sdpa"])
