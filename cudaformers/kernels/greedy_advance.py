@@ -2,7 +2,9 @@
 
 Greedy ``advance`` is a dozen tiny torch kernels per token (eos masking before min_new_tokens, cast,
 argmax, padding of finished rows, the output column, eos flags, ends, the next input, ``step +=
-1``); in the decode graph each costs a launch and a drain, 25-35 us of an ~860 us step at batch 1. Here it is two launches, bit-exact:
+1``); in the decode graph each costs a launch and a drain (by estimate 25-35 us of an ~860 us step
+at batch 1; W1 rose 7% with this and the fused KV store together, bench/RESULTS.md run 9). Here it
+is two launches, bit-exact:
 
 - ``_partial_argmax``: grid ``(B, splits)``. One row is up to 150k logits; a single program per row
   would stream it at one SM's rate (by estimate several us at batch 1), so the row is cut into
