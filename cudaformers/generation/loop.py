@@ -101,9 +101,8 @@ def advance(logits: torch.Tensor, state: LoopState, generator: torch.Generator |
 
     Plain greedy decoding takes two Triton launches (``kernels/greedy_advance.py``) where Triton runs
     (CUDA, or the interpreter); everything else, and the CPU, runs ``advance_torch``."""
-    kind = state.kind
-    on_triton = logits.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-    if on_triton and generator is None and not (kind.sampling or kind.penalty):
+    # Triton is imported only where it runs; supports() checks the kind and the tensors.
+    if generator is None and (logits.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
         from ..kernels.greedy_advance import greedy_advance, supports
 
         if supports(logits, state):

@@ -24,6 +24,8 @@ only activations and loop state, so each waits before its first load.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -116,8 +118,6 @@ def is_greedy(kind) -> bool:
 
 def supports(logits: torch.Tensor, state) -> bool:
     """Whether ``greedy_advance`` takes these (else: ``greedy_advance_reference``)."""
-    import os
-
     on_triton = logits.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
     flat = (state.tokens, state.finished, state.ends, state.eos)
     return (on_triton and is_greedy(state.kind) and logits.dim() == 2 and logits.dtype in LOGIT_DTYPES

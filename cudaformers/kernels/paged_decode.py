@@ -213,8 +213,8 @@ def default_tiling(num_seqs: int, num_kv_heads: int, head_dim: int, dtype: torch
     memory latency. With few sequences (fewer programs than SMs) decode is pure latency: 32 KB tiles
     of K (128 keys at head_dim 128), double-buffered, and a context longer than one tile split into
     one-tile pieces that merge in the same launch (W1, batch 1 at 128-384 keys: 1,236 tok/s against
-    1,186 when splitting only past 512 keys, ``bench/paged_split_ab.py``, run 9). Once every SM has a program the GPU is busy
-    anyway: 16 KB tiles, three in flight, and splitting only balances long contexts (2 splits beat 1
+    1,186 when splitting only past 512 keys, ``bench/paged_split_ab.py``, run 9). Once every SM has
+    a program the GPU is busy anyway: 16 KB tiles, three in flight, and splitting only balances long contexts (2 splits beat 1
     by 11% at B=32 x 8k keys); at four or more programs per SM, 8 KB tiles let four programs share
     an SM.
     """
@@ -227,8 +227,8 @@ def default_tiling(num_seqs: int, num_kv_heads: int, head_dim: int, dtype: torch
         block_n, stages = (64, 2) if bd <= 128 else (16, 4)
         tiling = DecodeTiling(block_n, 4, stages, 2048 if busy else 8 * block_n, max(1, stages - 1))
     elif not busy and bd <= 128:  # B=1 x 256-800 keys: 15-25% faster than 16 KB tiles
-        tiling = DecodeTiling(block_n=16384 // bd, num_warps=4, num_stages=2, split_above=16384 // bd,
-                              split_tiles=1)
+        block_n = 16384 // bd
+        tiling = DecodeTiling(block_n=block_n, num_warps=4, num_stages=2, split_above=block_n, split_tiles=1)
     else:  # B=128-256 x 256-800 keys: 8 KB tiles 8-15% faster; B=32: 16 KB tiles faster
         block_n = 4096 // bd if programs >= 4 * _sms(device) else 8192 // bd
         tiling = DecodeTiling(block_n=block_n, num_warps=4, num_stages=4,
