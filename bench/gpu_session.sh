@@ -69,7 +69,7 @@ for part in "${parts[@]}"; do
                     tests/gpu/test_mamba_bwd_gpu.py tests/gpu/test_server_gpu.py tests/gpu/test_core_gpu.py \
                     tests/gpu/test_engine_gpu.py ;;
     skinny) run skinny 60 python3 bench/skinny_gemm.py ;;
-    skinny-sweep-32) run skinny-sweep-32 240 python3 bench/skinny_gemm.py --m 32 --models 0.6b --sweep ;;
+    skinny-sweep-32) run skinny-sweep-32 300 python3 bench/skinny_gemm.py --m 32 --models 0.6b --sweep ;;
     skinny-tests) run skinny-tests 120 python3 -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider tests/gpu/test_skinny_gemm_gpu.py ;;
     paged-decode-engine) run paged-decode-engine 60 python3 bench/paged_decode.py --sweep --batches 128,256 \
                            --contexts 400,800 --pages 16 ;;

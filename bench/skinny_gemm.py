@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import multiprocessing
 import sys
 import time
 from pathlib import Path
@@ -60,6 +61,26 @@ def sweep_configs(m: int, n: int, k: int) -> list[SkinnyConfig]:
     return out
 
 
+def _compile_shapes(jobs: list[tuple[int, int, int, list[SkinnyConfig]]]) -> None:
+    """One worker's share of the sweep's kernels, compiled by calling each once: the kernels land in
+    the Triton cache on disk, where the timing process finds them."""
+    for m, n, k, configs in jobs:
+        x = torch.zeros(m, k, device="cuda", dtype=DTYPE)
+        w = torch.zeros(n, k, device="cuda", dtype=DTYPE)
+        for c in configs:
+            skinny_linear(x, w, config=c)
+    torch.cuda.synchronize()
+
+
+def precompile(shapes: list[tuple[int, int, int]], workers: int) -> None:
+    """Compile the whole grid in parallel first: one at a time, compiling takes most of a sweep."""
+    jobs = [[] for _ in range(workers)]
+    for i, (m, n, k, c) in enumerate((m, n, k, c) for m, n, k in shapes for c in sweep_configs(m, n, k)):
+        jobs[i % workers].append((m, n, k, [c]))
+    with multiprocessing.get_context("spawn").Pool(workers) as pool:
+        pool.map(_compile_shapes, [j for j in jobs if j])
+
+
 def describe(cfg: SkinnyConfig, k: int) -> str:
     return f"n{cfg.block_n}/m{cfg.block_m}/k{cfg.block_k} x{-(-k // cfg.k_split)} s{cfg.num_stages} w{cfg.num_warps}"
 
@@ -69,9 +90,14 @@ def main() -> None:
     parser.add_argument("--m", type=int, nargs="+", default=[8, 16, 32, 64, 128], help="rows (tokens) per call")
     parser.add_argument("--sweep", action="store_true", help="also time a grid of launch plans per shape")
     parser.add_argument("--models", default="0.6b,8b", help="which models' shapes to time")
+    parser.add_argument("--compile-workers", type=int, default=min(16, multiprocessing.cpu_count()),
+                        help="processes that compile the sweep's kernels before it is timed")
     args = parser.parse_args()
     models = args.models.split(",")
     t0 = time.perf_counter()
+    if args.sweep and args.compile_workers > 1:
+        precompile([(m, n, k) for model, _, n, k in SHAPES if model in models for m in args.m], args.compile_workers)
+        print(f"compiled the sweep's kernels in {time.perf_counter() - t0:.0f} s")
     sms = sm_count(torch.device("cuda"))
     rows, best_rows = [], []
     times: dict[tuple, tuple[float, float]] = {}
