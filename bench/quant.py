@@ -49,7 +49,7 @@ def _free():
 
 
 def _bf16_layer(linear):
-    """The bf16 path of use_kernels: the GEMV up to 4 rows, the skinny GEMM for 5-16, cuBLAS above."""
+    """The bf16 path of use_kernels: the GEMV up to 4 rows, the skinny GEMM for 5-32, cuBLAS above."""
     from cudaformers.kernels.gemv import linear as gemv_linear
     from cudaformers.kernels.skinny_gemm import skinny_applies, skinny_linear
 

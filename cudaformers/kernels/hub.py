@@ -68,7 +68,7 @@ def _linear(self, x):
     from .gemv import linear
     from .skinny_gemm import skinny_applies, skinny_linear
 
-    if skinny_applies(self.weight, x):  # 5-16 rows: small decode batches, on tensor cores
+    if skinny_applies(self.weight, x):  # 5-32 rows: small decode batches, on tensor cores
         return skinny_linear(x, self.weight, self.bias)
     return linear(x, self.weight, self.bias)
 
@@ -207,7 +207,7 @@ LAYER_TYPES = {t.name: t for t in [
               {"cudaformers:act_and_mul": _act_and_mul}, "gelu(gate) * up (tanh or erf)"),
     LayerType("Linear", _is_plain_linear, {"cudaformers:gemv": _linear},
               "decode-sized matmuls as weight-streaming kernels (a GEMV up to 4 rows, a skinny tensor-core GEMM "
-              "for 5-16); larger ones stay on cuBLAS",
+              "for 5-32); larger ones stay on cuBLAS",
               default_modes=("inference",)),
     LayerType("GatedMLP", _is_gated_mlp,
               {"cudaformers:fused_mlp_decode": _fused_mlp_decode, "cudaformers:gated_mlp_recompute": _gated_mlp_recompute},

@@ -31,9 +31,11 @@ from .pdl import pdl_enabled, release_dependents, wait_for_producer
 logger = logging.getLogger("cudaformers")
 
 # Rows (tokens) skinny_applies accepts by default; gemv.py takes 1-4. Measured on an H200
-# (bench/skinny_gemm.py, bench/RESULTS.md run 6): ahead of cuBLAS by 1-11% per layer at 8-16 rows,
-# behind it from 32 rows on (qwen3-0.6b, 32 rows: 31.1 vs 24.9 us per layer), so cuBLAS keeps those.
-ROWS = (5, 16)
+# (bench/skinny_gemm.py, bench/RESULTS.md runs 6 and 10): ahead of cuBLAS by 1-11% per layer at
+# 8-16 rows; at 17-32 rows level with it in isolation (qwen3-0.6b: 23.0 vs 24.6 us per layer on the
+# tiles ``plan`` now picks there) and ahead inside a decode step, where it joins the chain of
+# programmatic dependent launches that cuBLAS breaks; behind it from 64 rows on, so cuBLAS keeps those.
+ROWS = (5, 32)
 _COUNTERS = 4096      # split-K tile counters held per device; a split call uses one per tile
 _MAX_BLOCK_M = 128
 _SMEM_PER_PROGRAM = 100 << 10
@@ -150,16 +152,21 @@ def plan(m: int, n: int, k: int, dtype: torch.dtype, sms: int, split_ok: bool = 
     if interpreting():
         block_k = 32
     m_tiles = cdiv(m, block_m)
-    block_n = 64 if cdiv(n, 64) * m_tiles >= sms or interpreting() else 32
+    # Enough programs for two per SM, except at 17-32 rows: there the sweep (bench/skinny_gemm.py
+    # --sweep --m 32, RESULTS.md run 10) found 64-feature tiles and a third to a half as many programs as
+    # SMs fastest on every qwen3-0.6b projection (fewer, longer programs: less ramp-up and tail).
+    wide = block_m == 32
+    block_n = 64 if wide or cdiv(n, 64) * m_tiles >= sms else 32
     if interpreting():
         block_n = 16
+    target = sms // 3 if wide else 2 * sms
     tiles = cdiv(n, block_n) * m_tiles
     steps = cdiv(k, block_k)
     # Per output feature a split writes block_m fp32 partials against 2k weight bytes read: keep the
     # partials (written once, read once from L2) at most half the weight bytes.
     max_split = max(1, k // (4 * block_m))
     split = 1
-    while (split_ok and tiles * split < 2 * sms and split * 2 <= min(steps, max_split)
+    while (split_ok and tiles * split < target and split * 2 <= min(steps, max_split)
            and tiles <= _COUNTERS):
         split *= 2
     per_split = cdiv(steps, split)

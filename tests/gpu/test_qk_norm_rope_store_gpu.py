@@ -54,8 +54,9 @@ def _fused(args, v, k_cache, v_cache, slots):
 def test_fused_store_matches_the_unfused_path(t, norm, src, cache, monkeypatch):
     """The cache holds exactly what store_kv writes for the k the fused call returns (and v); q is the
     unfused kernel's bit for bit, k too without the norm. With the norm the compiler may order the
-    per-head sum of squares differently in the two variants (seen on an H200 with fp32 inputs), so k
-    is held to one rounding step there."""
+    per-head sum of squares differently in the two variants (seen on an H200 with fp32 inputs: up to
+    8 fp32 ulps of the head's largest value where x * cos + x' * sin cancels), so k is held to a few
+    rounding steps of its head's scale there."""
     from cudaformers.attention import kv_cache
 
     args, v, k_cache, v_cache, slots = _inputs(t, src, cache, norm)
@@ -69,7 +70,9 @@ def test_fused_store_matches_the_unfused_path(t, norm, src, cache, monkeypatch):
     assert torch.equal(k_cache, want_k_cache) and torch.equal(v_cache, want_v_cache)
     assert torch.equal(got[0], want[0])
     if norm:
-        torch.testing.assert_close(got[1], want[1], rtol=torch.finfo(src).eps, atol=torch.finfo(src).eps)
+        scale = want[1].abs().amax(dim=-1, keepdim=True)
+        eps = torch.finfo(src).eps
+        assert ((got[1] - want[1]).abs() <= 16 * eps * scale).all()
     else:
         assert torch.equal(got[1], want[1])
 
@@ -104,6 +107,7 @@ def _qwen3_06b_shaped(seed=0):
     return shaped(seed)
 
 
+@pytest.mark.timeout(600)  # a cold Triton cache autotunes the fp32 prefill kernels first (> 120 s)
 @pytest.mark.parametrize("attn", ["triton", "sdpa"])
 def test_qwen3_06b_shaped_generate_and_engine_equal_the_unfused_store_in_fp32(attn, monkeypatch):
     from cudaformers.attention import kv_cache, registry
