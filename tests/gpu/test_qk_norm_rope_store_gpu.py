@@ -70,9 +70,11 @@ def test_fused_store_matches_the_unfused_path(t, norm, src, cache, monkeypatch):
     assert torch.equal(k_cache, want_k_cache) and torch.equal(v_cache, want_v_cache)
     assert torch.equal(got[0], want[0])
     if norm:
-        scale = want[1].abs().amax(dim=-1, keepdim=True)
         eps = torch.finfo(src).eps
-        assert ((got[1] - want[1]).abs() <= 16 * eps * scale).all()
+        if src == torch.float32:
+            assert ((got[1] - want[1]).abs() <= 16 * eps * want[1].abs().amax(dim=-1, keepdim=True)).all()
+        else:  # the output's rounding hides the sum's order: at most one rounding step apart
+            torch.testing.assert_close(got[1], want[1], rtol=eps, atol=eps)
     else:
         assert torch.equal(got[1], want[1])
 
