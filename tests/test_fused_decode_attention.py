@@ -22,7 +22,7 @@ ROPE = {"cpu": {"inference": "cudaformers:qk_norm_rope", "training": ""}}
 LAYER = {"cpu": {"inference": "cudaformers:fused_norm_decode", "training": ""}}
 FUSED = KernelConfig({"rotary_pos_emb": ROPE, "DecoderLayer": LAYER, "Linear": "cudaformers:gemv"})
 UNFUSED = KernelConfig({"rotary_pos_emb": ROPE, "DecoderLayer": "", "Linear": "cudaformers:gemv"})
-GREEDY = dict(max_new_tokens=8, do_sample=False, eos_token_id=None)
+GREEDY = dict(max_new_tokens=5, do_sample=False, eos_token_id=None)
 
 
 @pytest.fixture
