@@ -78,6 +78,13 @@ def _merge_splits(O_PART, LSE, O, seq, heads, g_mask, offs_d, d_mask, used,
 
 
 @triton.jit
+def _prefetch_l2(ptrs):
+    """Ask L2 for the 128-byte lines at ``ptrs``; nothing comes back to registers."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
 def _attend_tile(q, k, v, valid, m_i, l_i, acc, qk_scale, PREC: tl.constexpr, UPCAST: tl.constexpr):
     """Online softmax over one tile of keys: returns the new (running max, sum, weighted values)."""
     s = _dot(q, tl.trans(k), PREC, UPCAST) * qk_scale  # [BLOCK_G, BLOCK_N]
@@ -146,6 +153,7 @@ def _paged_decode_kernel(
     BLOCK_GM: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr,
     MAY_SPLIT: tl.constexpr, SPLIT_TILES: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr, FUSED: tl.constexpr, HAS_NORM: tl.constexpr,
+    PREFETCH: tl.constexpr, LINES: tl.constexpr, LINE_ELEMS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -163,9 +171,9 @@ def _paged_decode_kernel(
         # q does not depend on the length: its load is in flight while the length -> range -> block table chain runs.
         q_ptrs = Q + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
         q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
-    # Fused, everything up to the first tile's K and V is requested before the wait: lengths, block
-    # tables and older keys were written by kernels that finished before the previous one released
-    # this grid (see pdl.py); .cg reads them from L2, never from a line an SM cached earlier.
+    # Fused, the length and block table are read before the wait: kernels that finished before the
+    # previous one released this grid wrote them (see pdl.py); .cg reads them from L2, never from a
+    # line an SM cached earlier.
     k_len = tl.load(seqlens_k + seq, cache_modifier=".cg")
     # Split 0 starts at key 0 (without a window), so its first tile's block-table entries do not wait
     # for the length: requested now, they arrive with it. Entries past the length are never used.
@@ -202,27 +210,22 @@ def _paged_decode_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    # The first tile, K and V requested together, then the next tile's block-table entries.
-    offs_n = start + offs_k
-    valid = offs_n < end
-    kv_mask = valid[:, None] & d_mask[None, :]
-    k = tl.load(Kh + rows[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0, cache_modifier=".cg")
-    v = tl.load(Vh + rows[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0, cache_modifier=".cg")
-    rows = _slots(bt_row, offs_n + BLOCK_N, offs_n + BLOCK_N < end, PAGE_SIZE)
     if FUSED:
+        # While the projection drains, L2 fetches this program's first tile of K and V from HBM (a
+        # prefetch only: the newest row, which this launch itself writes, is never read early).
+        if PREFETCH:
+            lines = (tl.arange(0, LINES) * LINE_ELEMS)[None, :]
+            first = tl.where((start + offs_k < end)[:, None], rows[:, None], 0)
+            _prefetch_l2(Kh + first * stride_kt + lines)
+            _prefetch_l2(Vh + first * stride_vt + lines)
         wait_for_producer(USE_PDL)
         release_dependents(USE_PDL)
         q, k_new, v_new, slot = _rope_and_store(
             Q, KN, VN, K, V, QW, KW, COS, SIN, SLOTS, seq, kv_head, split, heads, g_mask, offs_d, d_mask,
             stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh, stride_kt, stride_kh,
             stride_vt, stride_vh, stride_ct, stride_st, q_eps, k_eps, half, rot, HEAD_DIM, HAS_NORM)
-        # The cache row of the newest key may have been read before this program's split 0 wrote it.
-        newest = ((offs_n == k_len - 1) & (slot >= 0))[:, None]
-        k = tl.where(newest, k_new[None, :], k)
-        v = tl.where(newest, v_new[None, :], v)
-    if start < end:  # every tile holds at least one real key, so the running max stays finite
-        m_i, l_i, acc = _attend_tile(q, k.to(q.dtype), v.to(q.dtype), valid, m_i, l_i, acc, qk_scale, PREC, UPCAST)
-    for start_n in range(start + BLOCK_N, end, BLOCK_N):
+    for start_n in range(start, end, BLOCK_N):
+        # Every tile holds at least one real key, so the running max stays finite.
         offs_n = start_n + offs_k
         valid = offs_n < end
         kv_mask = valid[:, None] & d_mask[None, :]
@@ -231,7 +234,7 @@ def _paged_decode_kernel(
         k = tl.load(Kh + rows[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(Vh + rows[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
         rows = _slots(bt_row, offs_n + BLOCK_N, offs_n + BLOCK_N < end, PAGE_SIZE)
-        if FUSED:
+        if FUSED:  # the newest key and value from registers (split 0 may not have stored them yet)
             newest = ((offs_n == k_len - 1) & (slot >= 0))[:, None]
             k = tl.where(newest, k_new[None, :], k)
             v = tl.where(newest, v_new[None, :], v)
@@ -443,6 +446,7 @@ def _launch(q, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k, scale, wi
     if not is_fused:  # the fused-only arguments: never read
         fused = (q, q, q, q, q, q, seqlens_k, 0, 0, 0, 0, 0, 0, 0.0, 0.0, 0, 0, False)
     *fused_args, has_norm = fused
+    row_bytes = head_dim * k.element_size()  # one key of one head: the L2 prefetch's lines
     pdl = pdl_enabled(q.device)
     _paged_decode_kernel[(num_seqs, num_kv_heads, splits)](
         q, k, v, out, part, lse, arrived, seqlens_k, block_table, block_table.shape[1] * page_size,
@@ -454,7 +458,9 @@ def _launch(q, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k, scale, wi
         MAY_SPLIT=splits > 1, SPLIT_TILES=tiling.split_tiles, BLOCK_S=block_s,
         CHUNK_S=max(1, min(block_s, _MERGE_ELEMENTS // (block_gm * bd))),
         PREC=_dot_precision(q.dtype), UPCAST=_UPCAST_DOT, USE_PDL=pdl, FUSED=is_fused,
-        HAS_NORM=has_norm, num_warps=tiling.num_warps, num_stages=tiling.num_stages, launch_pdl=pdl)
+        HAS_NORM=has_norm, PREFETCH=not interpreting(), LINES=triton.next_power_of_2(max(1, -(-row_bytes // 128))),
+        LINE_ELEMS=128 // k.element_size(),
+        num_warps=tiling.num_warps, num_stages=tiling.num_stages, launch_pdl=pdl)
     return out
 
 
