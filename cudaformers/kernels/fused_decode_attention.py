@@ -4,9 +4,9 @@ and flash-decoding over the paged cache (``paged_decode.paged_decode_rope``).
 Unfused, a decode layer runs ``qk_norm_rope`` (with the store) and then the triton backend's
 ``paged_decode``: two launches, and the decode kernel can only start reading the cache once the
 rope kernel has finished, because that kernel writes the newest row. Fused, each program of the
-decode kernel requests its first tile of *older* keys before it waits for the q/k/v projection,
-computes its q heads and the new key itself, and takes the newest key and value from registers,
-so one launch and most of the cache-read latency leave the chain.
+decode kernel has L2 fetch its first tile of keys before it waits for the q/k/v projection, then
+computes its q heads and the new key itself; the program whose keys include the newest stores it
+(and v) before reading its tiles. One launch per layer leaves the chain.
 
 Used by the "DecoderLayer" kernel (``fused_norm_decode``) for each decode step, only where the
 unfused path would run exactly these kernels: the layer's rotary module runs ``qk_norm_rope``, its

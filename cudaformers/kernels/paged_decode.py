@@ -98,13 +98,13 @@ def _attend_tile(q, k, v, valid, m_i, l_i, acc, qk_scale, PREC: tl.constexpr, UP
 
 
 @triton.jit
-def _rope_and_store(Q, KN, VN, K, V, QW, KW, COS, SIN, SLOTS, seq, kv_head, split, heads, g_mask, offs_d, d_mask,
+def _rope_and_store(Q, KN, VN, K, V, QW, KW, COS, SIN, SLOTS, seq, kv_head, owner, heads, g_mask, offs_d, d_mask,
                     stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh, stride_kt, stride_kh,
                     stride_vt, stride_vh, stride_ct, stride_st, q_eps, k_eps, half, rot,
                     HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr):
     """The fused path's share of ``qk_norm_rope``: this group's q heads and its new k normed and
-    rotated from the raw projections, k and v written to the cache (by split 0), and the new key and
-    value as the cache now holds them. Returns (q, k_new, v_new, slot)."""
+    rotated from the raw projections; k and v written to the cache by the ``owner`` (the program
+    whose keys include the newest), which then holds them visible to all its threads. Returns q."""
     seq64 = seq.to(tl.int64)
     partner, rotated, sign = rope_layout(offs_d, half, rot)
     c = tl.load(COS + seq64 * stride_ct + offs_d, mask=rotated, other=1.0).to(tl.float32)
@@ -131,11 +131,14 @@ def _rope_and_store(Q, KN, VN, K, V, QW, KW, COS, SIN, SLOTS, seq, kv_head, spli
     k_new = k_new.to(KN.dtype.element_ty).to(K.dtype.element_ty)
     v_new = v_new.to(V.dtype.element_ty)
     slot = tl.load(SLOTS + seq).to(tl.int64)  # negative: a padding row, nothing stored
-    if split == 0:
+    if owner:
         if slot >= 0:
             tl.store(K + slot * stride_kt + kv_head * stride_kh + offs_d, k_new, mask=d_mask)
             tl.store(V + slot * stride_vt + kv_head * stride_vh + offs_d, v_new, mask=d_mask)
-    return q.to(Q.dtype.element_ty), k_new, v_new, slot
+    # The owner's tile loads below read that row: every thread's store lands first (a block barrier
+    # orders global memory within the block). No other program reads the newest row.
+    tl.debug_barrier()
+    return q.to(Q.dtype.element_ty)
 
 
 @triton.jit
@@ -220,8 +223,8 @@ def _paged_decode_kernel(
             _prefetch_l2(Vh + first * stride_vt + lines)
         wait_for_producer(USE_PDL)
         release_dependents(USE_PDL)
-        q, k_new, v_new, slot = _rope_and_store(
-            Q, KN, VN, K, V, QW, KW, COS, SIN, SLOTS, seq, kv_head, split, heads, g_mask, offs_d, d_mask,
+        q = _rope_and_store(
+            Q, KN, VN, K, V, QW, KW, COS, SIN, SLOTS, seq, kv_head, end == k_len, heads, g_mask, offs_d, d_mask,
             stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh, stride_kt, stride_kh,
             stride_vt, stride_vh, stride_ct, stride_st, q_eps, k_eps, half, rot, HEAD_DIM, HAS_NORM)
     for start_n in range(start, end, BLOCK_N):
@@ -234,10 +237,6 @@ def _paged_decode_kernel(
         k = tl.load(Kh + rows[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(Vh + rows[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
         rows = _slots(bt_row, offs_n + BLOCK_N, offs_n + BLOCK_N < end, PAGE_SIZE)
-        if FUSED:  # the newest key and value from registers (split 0 may not have stored them yet)
-            newest = ((offs_n == k_len - 1) & (slot >= 0))[:, None]
-            k = tl.where(newest, k_new[None, :], k)
-            v = tl.where(newest, v_new[None, :], v)
         m_i, l_i, acc = _attend_tile(q, k.to(q.dtype), v.to(q.dtype), valid, m_i, l_i, acc, qk_scale, PREC, UPCAST)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # l_i == 0 only for an empty sequence: zeros
@@ -388,8 +387,8 @@ def paged_decode_rope(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, seqlens
     packed one are fine); the optional per-head RMSNorm weights ``[D]``, then rope with cos/sin
     ``[B, R]``, apply to q and k as in ``qk_norm_rope``; k and v go to the cache at ``slot_mapping``
     (negative: not stored). Every tensor has one dtype (the caller checks: ``fused_decode_attention``).
-    Each program requests its first tile of older keys before it waits for the projections, and the
-    new key and value reach the scores from registers.
+    Before it waits for the projections each program has L2 fetch its first tile of keys and values;
+    the program whose keys include the newest one stores it (and v) before it reads its tiles.
     """
     check_inputs(q, k_cache, v_cache)
     num_seqs, _, head_dim = q.shape
