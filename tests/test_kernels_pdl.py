@@ -35,9 +35,6 @@ CASES = {
     "qk_norm_rope": ("weights", False),
     "qk_norm_rope_store": ("weights", False),
     "kv_store": ("none", False),
-    "paged_decode": ("none", False),
-    # The cache, lengths and block tables (bf16 and int64 here) before the wait; q/k/v (fp32) after.
-    "paged_decode_rope": ("cache", True),
     "act_and_mul": ("none", False),
 }
 PLAIN = ("act_and_mul_pdl_off", "act_and_mul_backward")
@@ -46,7 +43,7 @@ PLAIN = ("act_and_mul_pdl_off", "act_and_mul_backward")
 def _cases():
     """name -> (module, kernel attribute, call that launches it with bf16 weights, fp32 activations)."""
     from cudaformers.attention.kv_cache import KVStore
-    from cudaformers.kernels import activation, gemv, kv_store, paged_decode, qk_norm_rope, rms_norm
+    from cudaformers.kernels import activation, gemv, kv_store, qk_norm_rope, rms_norm
 
     bf, f32 = torch.bfloat16, torch.float32
     x, w = torch.randn(1, 96, dtype=f32), torch.randn(40, 96, dtype=bf)
@@ -55,9 +52,6 @@ def _cases():
     qkv = torch.randn(2, 4 * 32, dtype=f32)
     cos, sin = torch.randn(2, 32, dtype=f32), torch.randn(2, 32, dtype=f32)
     cache = torch.zeros(4, 4, 1, 32, dtype=f32)
-    # A decode step of two sequences over a bf16 paged cache, with int64 lengths, tables and slots.
-    kv_cache = torch.zeros(4, 4, 1, 32, dtype=bf)
-    lens, table, slots = torch.tensor([3, 7]), torch.tensor([[0, 1], [2, 3]]), torch.tensor([2, 14])
     return {
         "gemv": (gemv, "_gemv_kernel", lambda: gemv.gemv(x, w)),
         "gemv_k_loop": (gemv, "_gemv_kernel", lambda: gemv.gemv(*big_k)),
@@ -79,11 +73,6 @@ def _cases():
             kv_store=KVStore(qkv[:, 96:].view(2, 1, 32), cache, cache.clone(), torch.tensor([3, 9])))),
         "kv_store": (kv_store, "_store_kv_kernel", lambda: kv_store.store_kv_triton(
             cache, cache.clone(), qkv[:, :32].view(2, 1, 32), qkv[:, 32:64].view(2, 1, 32), torch.tensor([3, 9]))),
-        "paged_decode": (paged_decode, "_paged_decode_kernel", lambda: paged_decode.paged_decode(
-            qkv[:, :64].view(2, 2, 32).to(bf), kv_cache, kv_cache.clone(), lens, table, 8, 0.1)),
-        "paged_decode_rope": (paged_decode, "_paged_decode_kernel", lambda: paged_decode.paged_decode_rope(
-            qkv[:, :64].view(2, 2, 32), qkv[:, 64:96].view(2, 1, 32), qkv[:, 96:].view(2, 1, 32), cos, sin,
-            kv_cache, kv_cache.clone(), slots, lens, table, 8, 0.1, None, w[0, :32], w[1, :32])),
         "act_and_mul": (activation, "_act_mul_fwd",
                         lambda: activation.act_and_mul_forward(gate_up[:, :96], gate_up[:, 96:], pdl=True)),
         "act_and_mul_pdl_off": (activation, "_act_mul_fwd",
@@ -131,7 +120,7 @@ def _events(ptx: str) -> list[str]:
         op = op.split(" ")[0]
         if op.startswith("griddepcontrol."):
             events.append(op.rstrip(";"))
-        elif op.startswith(("ld.global", "st.global", "atom.global", "red.global", "prefetch.global")):
+        elif op.startswith(("ld.global", "st.global", "atom.global", "red.global")):
             events.append(op)
     return events
 
@@ -189,15 +178,8 @@ def test_pdl_kernel_keeps_the_contract(probe, case):
     assert "griddepcontrol.wait" in events, f"{case}: no wait compiled in: {_summary(events)}"
     first_wait = events.index("griddepcontrol.wait")
     before = events[:first_wait]
-    assert not [e for e in before if not e.startswith(("ld.", "prefetch."))], \
-        f"{case}: writes before the wait: {_summary(events)}"
-    if allowed == "cache":  # the first tile of older keys and values, fetched into L2 only
-        assert "prefetch.global.L2" in before, f"{case}: no L2 prefetch before the wait: {_summary(events)}"
-        before = [e for e in before if not e.startswith("prefetch.")]
-    # By width (see the module docstring): weights are b16; the "cache" case also reads int64 step
-    # inputs (b64) that kernels finished before the previous one released this grid (pdl.py).
-    widths = ("b16", "b64") if allowed == "cache" else ("b16",)
-    activations = [e for e in before if e.split(".")[-1] not in widths]
+    assert not [e for e in before if not e.startswith("ld.")], f"{case}: writes before the wait: {_summary(events)}"
+    activations = [e for e in before if e != "ld.global.b16"]
     assert not activations, f"{case}: activation loads before the wait: {_summary(events)}"
     if allowed == "none":
         assert not before, f"{case}: loads before the wait: {_summary(events)}"

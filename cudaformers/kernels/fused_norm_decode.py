@@ -1,7 +1,5 @@
 """The "DecoderLayer" kernel: a dense decoder layer whose two RMSNorms run inside the GEMVs that
-consume them (``gemv.gemv_rms_norm``), at decode sizes, and whose attention in a decode step is one
-launch from the projections on (q/k norm, rope, cache store and paged decode:
-``fused_decode_attention``, which says where it applies).
+consume them (``gemv.gemv_rms_norm``), at decode sizes.
 
 A layer normally runs ``input_layernorm`` -> packed q/k/v GEMV and ``post_attention_layernorm`` ->
 packed gate/up GEMV: two norm launches, and two normed rows written and read back. Folded, each
@@ -30,7 +28,6 @@ from torch import nn
 from ..layers.attention import Attention
 from ..layers.mlp import GatedMLP
 from ..layers.norm import RMSNorm
-from .fused_decode_attention import fused_decode_attention, plain_attention
 from .fused_projections import PackedLinear
 from .gemv import gemv_applies, gemv_rms_norm
 
@@ -77,7 +74,7 @@ def _fold(norm: RMSNorm, packed: PackedLinear | None, hidden, residual):
 
 
 def _attention_past_projections(attn: Attention, qkv: torch.Tensor, cos, sin, batch) -> torch.Tensor:
-    return fused_decode_attention(attn, *qkv.split(attn.packed_qkv.sizes, dim=-1), cos, sin, batch)
+    return attn.attend(*qkv.split(attn.packed_qkv.sizes, dim=-1), cos, sin, batch)
 
 
 def _mlp_past_projections(mlp: GatedMLP, gate_up: torch.Tensor) -> torch.Tensor:
@@ -91,7 +88,7 @@ def _mlp_past_projections(mlp: GatedMLP, gate_up: torch.Tensor) -> torch.Tensor:
 
 def _qkv_packed(attn) -> PackedLinear | None:
     # The fold replaces project_qkv inside Attention.forward: only for that exact forward.
-    if not plain_attention(attn):
+    if type(attn) is not Attention or "forward" in attn.__dict__ or not _unhooked(attn):
         return None
     return _packed(attn, "packed_qkv", (attn.q_proj, attn.k_proj, attn.v_proj))
 
@@ -119,10 +116,7 @@ def fused_norm_decode_forward(self, hidden, residual, cos, sin, batch):
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        if plain_attention(attn):
-            hidden = fused_decode_attention(attn, *attn.project_qkv(hidden), cos, sin, batch)
-        else:
-            hidden = attn(hidden, cos, sin, batch)
+        hidden = attn(hidden, cos, sin, batch)
 
     # The exact class is DecoderLayer (the hub's predicate), so feed_forward is the MLP itself.
     folded = _fold(self.post_attention_layernorm, _gate_up_packed(mlp), hidden, residual)

@@ -217,8 +217,7 @@ LAYER_TYPES = {t.name: t for t in [
               mode_defaults={"inference": "cudaformers:fused_mlp_decode", "training": "cudaformers:gated_mlp_recompute"}),
     LayerType("DecoderLayer", _is_dense_decoder_layer, {"cudaformers:fused_norm_decode": _fused_norm_decode},
               "decode-sized dense decoder layers (<= 4 rows): each RMSNorm (and its residual add) computed inside "
-              "the packed q/k/v or gate/up GEMV that consumes it; in every decode step on the triton backend, "
-              "q/k norm + rope + the KV-cache store inside the paged decode kernel",
+              "the packed q/k/v or gate/up GEMV that consumes it",
               default_modes=("inference",), has_backward=False),
     LayerType("ForCausalLMLoss", lambda m: hasattr(m, "fused_loss") and hasattr(m, "lm_head"),
               {"cudaformers:fused_linear_cross_entropy": None},

@@ -34,7 +34,6 @@ import triton.language as tl
 from .flash_attention import attention_reference
 from .flash_attention_fwd import LOG2E, _UPCAST_DOT, _dot, _dot_precision, block_d, check_inputs, interpreting
 from .pdl import pdl_enabled, release_dependents, wait_for_producer
-from .qk_norm_rope import normed_rotated, rope_layout
 
 logger = logging.getLogger("cudaformers")
 
@@ -46,7 +45,7 @@ _MERGE_ELEMENTS = 8192
 @triton.jit
 def _slots(bt_row, pos, mask, PAGE_SIZE: tl.constexpr):
     """Cache row of each key position (int64); masked positions get a harmless row of block 0."""
-    block = tl.load(bt_row + pos // PAGE_SIZE, mask=mask, other=0, cache_modifier=".cg")
+    block = tl.load(bt_row + pos // PAGE_SIZE, mask=mask, other=0)
     return block.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
 
 
@@ -78,106 +77,33 @@ def _merge_splits(O_PART, LSE, O, seq, heads, g_mask, offs_d, d_mask, used,
 
 
 @triton.jit
-def _prefetch_l2(ptrs):
-    """Ask L2 for the 128-byte lines at ``ptrs``; nothing comes back to registers."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
-def _attend_tile(q, k, v, valid, m_i, l_i, acc, qk_scale, PREC: tl.constexpr, UPCAST: tl.constexpr):
-    """Online softmax over one tile of keys: returns the new (running max, sum, weighted values)."""
-    s = _dot(q, tl.trans(k), PREC, UPCAST) * qk_scale  # [BLOCK_G, BLOCK_N]
-    s = tl.where(valid[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    p = tl.exp2(s - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v, PREC, UPCAST)
-    return m_new, l_i, acc
-
-
-@triton.jit
-def _rope_and_store(Q, KN, VN, K, V, QW, KW, COS, SIN, SLOTS, seq, kv_head, owner, heads, g_mask, offs_d, d_mask,
-                    stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh, stride_kt, stride_kh,
-                    stride_vt, stride_vh, stride_ct, stride_st, q_eps, k_eps, half, rot,
-                    HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr):
-    """The fused path's share of ``qk_norm_rope``: this group's q heads and its new k normed and
-    rotated from the raw projections; k and v written to the cache by the ``owner`` (the program
-    whose keys include the newest), which then holds them visible to all its threads. Returns q."""
-    seq64 = seq.to(tl.int64)
-    partner, rotated, sign = rope_layout(offs_d, half, rot)
-    c = tl.load(COS + seq64 * stride_ct + offs_d, mask=rotated, other=1.0).to(tl.float32)
-    s = sign * tl.load(SIN + seq64 * stride_st + offs_d, mask=rotated, other=0.0).to(tl.float32)
-    q_rows = Q + seq64 * stride_qt + heads[:, None] * stride_qh
-    q_mask = g_mask[:, None] & d_mask[None, :]
-    x = tl.load(q_rows + offs_d[None, :], mask=q_mask, other=0.0).to(tl.float32)  # [BLOCK_G, BLOCK_D]
-    xp = tl.load(q_rows + partner[None, :], mask=q_mask, other=0.0).to(tl.float32)
-    k_row = KN + seq64 * stride_knt + kv_head * stride_knh
-    kx = tl.load(k_row + offs_d, mask=d_mask, other=0.0).to(tl.float32)  # [BLOCK_D]
-    kxp = tl.load(k_row + partner, mask=d_mask, other=0.0).to(tl.float32)
-    v_new = tl.load(VN + seq64 * stride_vnt + kv_head * stride_vnh + offs_d, mask=d_mask, other=0.0)
-    if HAS_NORM:
-        qw = tl.load(QW + offs_d, mask=d_mask, other=0.0).to(tl.float32)
-        qwp = tl.load(QW + partner, mask=d_mask, other=0.0).to(tl.float32)
-        kw = tl.load(KW + offs_d, mask=d_mask, other=0.0).to(tl.float32)
-        kwp = tl.load(KW + partner, mask=d_mask, other=0.0).to(tl.float32)
-        q = normed_rotated(x, xp, qw[None, :], qwp[None, :], c[None, :], s[None, :], q_eps, HEAD_DIM, True, 1)
-        k_new = normed_rotated(kx, kxp, kw, kwp, c, s, k_eps, HEAD_DIM, True, 0)
-    else:
-        q = normed_rotated(x, xp, x, x, c[None, :], s[None, :], q_eps, HEAD_DIM, False, 1)
-        k_new = normed_rotated(kx, kxp, kx, kx, c, s, k_eps, HEAD_DIM, False, 0)
-    # Rounded as qk_norm_rope rounds its outputs, then as the cache stores them.
-    k_new = k_new.to(KN.dtype.element_ty).to(K.dtype.element_ty)
-    v_new = v_new.to(V.dtype.element_ty)
-    slot = tl.load(SLOTS + seq).to(tl.int64)  # negative: a padding row, nothing stored
-    if owner:
-        if slot >= 0:
-            tl.store(K + slot * stride_kt + kv_head * stride_kh + offs_d, k_new, mask=d_mask)
-            tl.store(V + slot * stride_vt + kv_head * stride_vh + offs_d, v_new, mask=d_mask)
-    # The owner's tile loads below read that row: every thread's store lands first (a block barrier
-    # orders global memory within the block). No other program reads the newest row.
-    tl.debug_barrier()
-    return q.to(Q.dtype.element_ty)
-
-
-@triton.jit
 def _paged_decode_kernel(
     Q, K, V, O,  # Q/O [B, Hq, D]; K/V flattened pages [slots, Hkv, D]
     O_PART, LSE, ARRIVED,  # O_PART [B, Hq, S, D] fp32; LSE [B, Hq, S] fp32 (base 2); ARRIVED [B * Hkv] int32
     seqlens_k, block_table, table_keys, qk_scale, window, split_above,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_bt, stride_ot, stride_oh,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-    # FUSED only: Q is the raw (pre-norm, pre-rope) q; KN/VN the raw new k, v [B, Hkv, D]; norm weights,
-    # cos/sin [B, R] and the cache slots of the new tokens.
-    KN, VN, QW, KW, COS, SIN, SLOTS, stride_knt, stride_knh, stride_vnt, stride_vnh, stride_ct, stride_st,
-    q_eps, k_eps, half, rot,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUPS: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_GM: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr,
     MAY_SPLIT: tl.constexpr, SPLIT_TILES: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr,
-    PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr, FUSED: tl.constexpr, HAS_NORM: tl.constexpr,
-    PREFETCH: tl.constexpr, LINES: tl.constexpr, LINE_ELEMS: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    if not FUSED:  # q and the cache's newest row come from the previous kernel: wait for it first
-        wait_for_producer(USE_PDL)
-        release_dependents(USE_PDL)
+    # Everything below reads what earlier kernels of the step wrote (q, the cache, lengths, tables).
+    wait_for_producer(USE_PDL)
+    release_dependents(USE_PDL)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     g_mask = offs_g < GROUPS
     d_mask = offs_d < HEAD_DIM
     heads = kv_head * GROUPS + offs_g
-    if not FUSED:
-        # q does not depend on the length: its load is in flight while the length -> range -> block table chain runs.
-        q_ptrs = Q + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
-        q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
-    # Fused, the length and block table are read before the wait: kernels that finished before the
-    # previous one released this grid wrote them (see pdl.py); .cg reads them from L2, never from a
-    # line an SM cached earlier.
-    k_len = tl.load(seqlens_k + seq, cache_modifier=".cg")
+    # q does not depend on the length: its load is in flight while the length -> range -> block table chain runs.
+    q_ptrs = Q + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
+    k_len = tl.load(seqlens_k + seq)
     # Split 0 starts at key 0 (without a window), so its first tile's block-table entries do not wait
     # for the length: requested now, they arrive with it. Entries past the length are never used.
     bt_row = block_table + seq.to(tl.int64) * stride_bt
@@ -199,9 +125,6 @@ def _paged_decode_kernel(
         per_split = tl.cdiv(n_tiles, used) * BLOCK_N
         used = tl.cdiv(n, per_split)
         if split >= used:
-            if FUSED:  # every program waits once (pdl.py), even one with nothing to do
-                wait_for_producer(USE_PDL)
-                release_dependents(USE_PDL)
             return
     start = lo + split * per_split
     end = tl.minimum(start + per_split, k_len)
@@ -213,20 +136,6 @@ def _paged_decode_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    if FUSED:
-        # While the projection drains, L2 fetches this program's first tile of K and V from HBM (a
-        # prefetch only: the newest row, which this launch itself writes, is never read early).
-        if PREFETCH:
-            lines = (tl.arange(0, LINES) * LINE_ELEMS)[None, :]
-            first = tl.where((start + offs_k < end)[:, None], rows[:, None], 0)
-            _prefetch_l2(Kh + first * stride_kt + lines)
-            _prefetch_l2(Vh + first * stride_vt + lines)
-        wait_for_producer(USE_PDL)
-        release_dependents(USE_PDL)
-        q = _rope_and_store(
-            Q, KN, VN, K, V, QW, KW, COS, SIN, SLOTS, seq, kv_head, end == k_len, heads, g_mask, offs_d, d_mask,
-            stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh, stride_kt, stride_kh,
-            stride_vt, stride_vh, stride_ct, stride_st, q_eps, k_eps, half, rot, HEAD_DIM, HAS_NORM)
     for start_n in range(start, end, BLOCK_N):
         # Every tile holds at least one real key, so the running max stays finite.
         offs_n = start_n + offs_k
@@ -234,10 +143,17 @@ def _paged_decode_kernel(
         kv_mask = valid[:, None] & d_mask[None, :]
         # K and V are requested together, then the next tile's block-table entries: all of it is
         # in flight while this tile's scores are computed.
-        k = tl.load(Kh + rows[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(Vh + rows[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(Kh + rows[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        v = tl.load(Vh + rows[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         rows = _slots(bt_row, offs_n + BLOCK_N, offs_n + BLOCK_N < end, PAGE_SIZE)
-        m_i, l_i, acc = _attend_tile(q, k.to(q.dtype), v.to(q.dtype), valid, m_i, l_i, acc, qk_scale, PREC, UPCAST)
+        s = _dot(q, tl.trans(k), PREC, UPCAST) * qk_scale  # [BLOCK_G, BLOCK_N]
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v, PREC, UPCAST)
+        m_i = m_new
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # l_i == 0 only for an empty sequence: zeros
     if used == 1:
@@ -373,49 +289,14 @@ def paged_decode(q, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k: int,
     the SM count); ``tiling`` overrides ``default_tiling`` (benchmarks, tests).
     """
     check_inputs(q, k_cache, v_cache)
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    return _launch(q, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k, scale, window, num_splits, tiling, None)
-
-
-def paged_decode_rope(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, seqlens_k, block_table, max_seqlen_k: int,
-                      scale: float, window: int | None = None, q_weight=None, k_weight=None, q_eps: float = 1e-6,
-                      k_eps: float = 1e-6, num_splits: int | None = None,
-                      tiling: DecodeTiling | None = None) -> torch.Tensor:
-    """``qk_norm_rope`` with its KV-cache store, then ``paged_decode``, in one launch.
-
-    q ``[B, Hq, D]``, k and v ``[B, Hkv, D]`` are the step's raw projections (strided views of a
-    packed one are fine); the optional per-head RMSNorm weights ``[D]``, then rope with cos/sin
-    ``[B, R]``, apply to q and k as in ``qk_norm_rope``; k and v go to the cache at ``slot_mapping``
-    (negative: not stored). Every tensor has one dtype (the caller checks: ``fused_decode_attention``).
-    Before it waits for the projections each program has L2 fetch its first tile of keys and values;
-    the program whose keys include the newest one stores it (and v) before it reads its tiles.
-    """
-    check_inputs(q, k_cache, v_cache)
-    num_seqs, _, head_dim = q.shape
-    rot = cos.shape[-1]
-    if (k.shape != v.shape or k.shape[0] != num_seqs or k.shape[1:] != k_cache.shape[2:] or cos.shape != sin.shape
-            or cos.shape[0] != num_seqs or rot > head_dim or rot % 2 or slot_mapping.shape != (num_seqs,)):
-        raise ValueError(f"paged_decode_rope: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, cos "
-                         f"{tuple(cos.shape)}, sin {tuple(sin.shape)}, slots {tuple(slot_mapping.shape)} do not "
-                         f"fit a cache of {tuple(k_cache.shape)}")
-    if any(x.stride(-1) != 1 for x in (q, k, v, cos, sin)) or not slot_mapping.is_contiguous():
-        raise ValueError("paged_decode_rope: q, k, v, cos and sin need unit stride along the last dim and "
-                         "slot_mapping must be contiguous")
-    has_norm = q_weight is not None
-    fused = (k, v, q_weight if has_norm else cos, k_weight if has_norm else cos, cos, sin, slot_mapping,
-             k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
-             float(q_eps), float(k_eps), rot // 2, rot, has_norm)
-    return _launch(q, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k, scale, window, num_splits, tiling, fused)
-
-
-def _launch(q, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k, scale, window, num_splits, tiling, fused):
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
     if block_table.shape[0] != num_seqs:
         raise ValueError(f"block_table has {block_table.shape[0]} rows for {num_seqs} decode queries")
+    q = q if q.stride(-1) == 1 else q.contiguous()
     k = k_cache.view(-1, num_kv_heads, head_dim)
     v = v_cache.view(-1, num_kv_heads, head_dim)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = torch.empty_like(q)
     if num_seqs == 0:
         return out
     tiling = tiling or default_tiling(num_seqs, num_kv_heads, head_dim, q.dtype, q.device)
@@ -441,24 +322,17 @@ def _launch(q, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k, scale, wi
         split_strides = (part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1))
     else:  # never touched: the only split writes the output
         part, lse, arrived, split_strides = out, out, seqlens_k, (0,) * 5
-    is_fused = fused is not None
-    if not is_fused:  # the fused-only arguments: never read
-        fused = (q, q, q, q, q, q, seqlens_k, 0, 0, 0, 0, 0, 0, 0.0, 0.0, 0, 0, False)
-    *fused_args, has_norm = fused
-    row_bytes = head_dim * k.element_size()  # one key of one head: the L2 prefetch's lines
     pdl = pdl_enabled(q.device)
     _paged_decode_kernel[(num_seqs, num_kv_heads, splits)](
         q, k, v, out, part, lse, arrived, seqlens_k, block_table, block_table.shape[1] * page_size,
         scale * LOG2E, window or 0, tiling.split_above,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), block_table.stride(0),
-        out.stride(0), out.stride(1), *split_strides, *fused_args,
+        out.stride(0), out.stride(1), *split_strides,
         HEAD_DIM=head_dim, BLOCK_D=bd, GROUPS=groups, BLOCK_G=max(16, triton.next_power_of_2(groups)),
         BLOCK_GM=block_gm, BLOCK_N=tiling.block_n, PAGE_SIZE=page_size, HAS_WINDOW=bool(window),
         MAY_SPLIT=splits > 1, SPLIT_TILES=tiling.split_tiles, BLOCK_S=block_s,
         CHUNK_S=max(1, min(block_s, _MERGE_ELEMENTS // (block_gm * bd))),
-        PREC=_dot_precision(q.dtype), UPCAST=_UPCAST_DOT, USE_PDL=pdl, FUSED=is_fused,
-        HAS_NORM=has_norm, PREFETCH=not interpreting(), LINES=triton.next_power_of_2(max(1, -(-row_bytes // 128))),
-        LINE_ELEMS=128 // k.element_size(),
+        PREC=_dot_precision(q.dtype), UPCAST=_UPCAST_DOT, USE_PDL=pdl,
         num_warps=tiling.num_warps, num_stages=tiling.num_stages, launch_pdl=pdl)
     return out
 

@@ -33,36 +33,17 @@ logger = logging.getLogger("cudaformers")
 
 
 @triton.jit
-def rope_layout(cols, half, rot):
-    """rotate_half's pairing of channels ``cols``: channel c < half pairs with c + half (and subtracts
-    it), half <= c < rot with c - half; channels past rot pass through. Returns (partner, rotated, sign)."""
-    first = cols < half
-    rotated = cols < rot
-    partner = tl.where(first, cols + half, tl.where(rotated, cols - half, cols))
-    return partner, rotated, tl.where(first, -1.0, 1.0)
-
-
-@triton.jit
-def normed_rotated(x, xp, w, w_partner, c, s, eps, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr,
-                   AXIS: tl.constexpr):
-    """fp32 head rows ``x`` (heads along the other axis, channels along ``AXIS``) and their rotate_half
-    partners ``xp`` -> RMSNorm (optional, weights w / w_partner) then rope, in fp32. The one definition
-    of this layer's arithmetic: ``qk_norm_rope`` and the fused decode attention both call it."""
-    if HAS_NORM:
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=AXIS, keep_dims=True) / HEAD_DIM + eps)
-        x = x * rstd * w
-        xp = xp * rstd * w_partner
-    return x * c + xp * s
-
-
-@triton.jit
 def _norm_rope_heads(x_ptr, o_ptr, w_ptr, cos_row, sin_row, stride_t, stride_h, t, n_heads, eps, half, rot,
                      cache_ptr, slot_ptr,
                      HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
                      USE_PDL: tl.constexpr, STORE: tl.constexpr):
     cols = tl.arange(0, BLOCK_D)[None, :]
     col_ok = cols < HEAD_DIM
-    partner, rotated, sign = rope_layout(cols, half, rot)
+    # rotate_half: channel c < half pairs with c + half (and subtracts it), half <= c < rot with c - half.
+    first = cols < half
+    rotated = cols < rot
+    partner = tl.where(first, cols + half, tl.where(rotated, cols - half, cols))
+    sign = tl.where(first, -1.0, 1.0)
     if HAS_NORM:  # weights: requested while the previous kernel drains, used after the wait
         w = tl.load(w_ptr + cols, mask=col_ok, other=0.0)
         w_partner = tl.load(w_ptr + partner, mask=col_ok, other=0.0)
@@ -84,10 +65,10 @@ def _norm_rope_heads(x_ptr, o_ptr, w_ptr, cos_row, sin_row, stride_t, stride_h, 
         x = tl.load(row + cols, mask=mask, other=0.0).to(tl.float32)        # [BLOCK_H, BLOCK_D]
         xp = tl.load(row + partner, mask=mask, other=0.0).to(tl.float32)    # partner channels (L1 hits)
         if HAS_NORM:
-            y = normed_rotated(x, xp, w, w_partner, c, s, eps, HEAD_DIM, True, 1)
-        else:  # w is never loaded without the norm
-            y = normed_rotated(x, xp, x, x, c, s, eps, HEAD_DIM, False, 1)
-        y = y.to(o_ptr.dtype.element_ty)
+            rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)    # [BLOCK_H]
+            x = x * rstd[:, None] * w
+            xp = xp * rstd[:, None] * w_partner
+        y = (x * c + xp * s).to(o_ptr.dtype.element_ty)
         tl.store(o_ptr + (t * n_heads + heads) * HEAD_DIM + cols, y, mask=mask)
         if STORE:  # the output's rounding first, then the cache's cast: what store_kv does with the output
             if slot >= 0:
