@@ -3,8 +3,9 @@
     python bench/generate.py [--workloads W1,W2,W3] [--variants sdpa,triton+kernels] [--skip-hf] [--check-eager]
 
 A variant is an attention backend, optionally with ``+kernels`` (use_kernels=True), ``+cublas``
-(kernels, but matmuls left on cuBLAS instead of the decode GEMV) and ``+nofold`` (kernels, but the
-decode norms not folded into the GEMVs after them).
+(kernels, but matmuls left on cuBLAS instead of the decode GEMV), ``+nofold`` (kernels, but the
+decode norms not folded into the GEMVs after them) and ``+prefetch`` (kernels, and the folded q/k/v
+GEMV has L2 fetch the o and gate/up weights while attention runs: ``fused_norm_decode.PREFETCH_NEXT_WEIGHTS``).
 """
 
 from __future__ import annotations
@@ -67,9 +68,15 @@ def run_ours(folder, batch, variant, check_eager) -> dict:
         kernel_config=config))
     ids = prompt_ids(batch)
     kw = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
-    model.generate(ids, **kw)
-    out, seconds = timed(lambda: model.generate(ids, **kw))
-    eager = model.generate(ids, use_cuda_graph=False, **kw) if check_eager else None
+    from cudaformers.kernels import fused_norm_decode
+
+    fused_norm_decode.PREFETCH_NEXT_WEIGHTS, before = "prefetch" in flags, fused_norm_decode.PREFETCH_NEXT_WEIGHTS
+    try:
+        model.generate(ids, **kw)
+        out, seconds = timed(lambda: model.generate(ids, **kw))
+        eager = model.generate(ids, use_cuda_graph=False, **kw) if check_eager else None
+    finally:
+        fused_norm_decode.PREFETCH_NEXT_WEIGHTS = before
     weight_bytes = sum(p.numel() * p.element_size() for p in set(model.parameters()))
     explain = model.explain()
     del model

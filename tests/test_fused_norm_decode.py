@@ -172,3 +172,40 @@ def test_default_on_cuda_in_inference_only(capsys):
         resolve("DecoderLayer", "cuda", "training", KernelConfig({"DecoderLayer": "cudaformers:fused_norm_decode"}))
     assert main(["kernels", str(tiny.checkpoint("qwen3")), "--device", "cuda"]) == 0
     assert "cudaformers:fused_norm_decode (default on cuda)" in capsys.readouterr().out
+
+
+@torch.no_grad()  # the packed gate/up weight stands for its projections only without autograd
+def test_next_weights_for_the_l2_prefetch(monkeypatch):
+    """The q/k/v GEMV's L2 prefetch (off by default, unmeasured) names the o and packed gate/up weights
+    in reading order, as far as the budget goes; nothing without a budget (no GPU, the interpreter)."""
+    from cudaformers.kernels import l2_prefetch
+
+    _, fused = _models("qwen3")
+    layer = fused.model.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    o, gate_up = attn.o_proj.weight, mlp.packed_gate_up.weight
+    dev = o.device
+    assert fused_module.next_weights(attn, mlp, dev) == ()  # off by default
+    monkeypatch.setattr(fused_module, "PREFETCH_NEXT_WEIGHTS", True)
+    assert fused_module.next_weights(attn, mlp, dev) == ()  # no L2 to fill on this device
+    size = o.numel() * o.element_size() + gate_up.numel() * gate_up.element_size()
+    for limit, want in [(size, (o, gate_up)), (size - 1, (o,)), (0, ())]:
+        monkeypatch.setattr(l2_prefetch, "budget", lambda device, fraction, limit=limit: limit)
+        got = fused_module.next_weights(attn, mlp, dev)
+        assert len(got) == len(want) and all(a is b for a, b in zip(got, want))
+
+
+def test_prefetch_regions_and_arguments():
+    from cudaformers.kernels import gemv
+    from cudaformers.kernels.l2_prefetch import launch_args, regions
+
+    a, b = torch.zeros(64, 32), torch.zeros(8, 8)
+    assert regions([a, b.t(), b], 10 ** 6) == (a,)  # stops at a weight that is not contiguous
+    assert regions([a, b], a.numel() * 4) == (a,)
+    args, consts = launch_args((a,), b)
+    assert args[1] == a.numel() * 4 // 128 and args[3] == 0 and consts == {"PREFETCH": 1, "PF_LINE0": 32,
+                                                                           "PF_LINE1": 32}
+    with pytest.raises(ValueError, match="at most two"):
+        launch_args((a, a, a), b)
+    with pytest.raises(ValueError, match="needs a GPU"):
+        gemv._launch(torch.zeros(1, 32), torch.zeros(1, 32), b.new_zeros(8, 32), None, gemv._NO_ACT, prefetch=(a,))

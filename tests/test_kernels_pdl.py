@@ -30,6 +30,8 @@ CASES = {
     "gemv_act_mul": ("weights", True),
     "gemv_rms_norm": ("weights", True),
     "gemv_rms_norm_k_loop": ("weights", True),
+    # With the next projections' weights fetched into L2 (l2_prefetch.py) once its own are in.
+    "gemv_rms_norm_prefetch": ("weights", True),
     "rms_norm": ("weights", False),
     "rms_norm_residual": ("weights", False),
     "qk_norm_rope": ("weights", False),
@@ -59,6 +61,9 @@ def _cases():
         # Through _launch: gemv_rms_norm wants the norm weight in x's dtype, and here it must be bf16.
         "gemv_rms_norm": (gemv, "_gemv_kernel", lambda: gemv._launch(
             x, x.clone(), w, None, gemv._NO_ACT, norm=(w[0], 1e-6, torch.empty_like(x)))),
+        "gemv_rms_norm_prefetch": (gemv, "_gemv_kernel", lambda: gemv._launch(
+            x, x.clone(), w, None, gemv._NO_ACT, norm=(w[0], 1e-6, torch.empty_like(x)),
+            prefetch=(big_k[1], w))),
         "gemv_rms_norm_k_loop": (gemv, "_gemv_kernel", lambda: gemv._launch(
             big_k[0], big_k[0].clone(), big_k[1], None, gemv._NO_ACT,
             norm=(big_k[1][0], 1e-6, torch.empty_like(big_k[0])))),
@@ -120,7 +125,7 @@ def _events(ptx: str) -> list[str]:
         op = op.split(" ")[0]
         if op.startswith("griddepcontrol."):
             events.append(op.rstrip(";"))
-        elif op.startswith(("ld.global", "st.global", "atom.global", "red.global")):
+        elif op.startswith(("ld.global", "st.global", "atom.global", "red.global", "prefetch.global")):
             events.append(op)
     return events
 
@@ -178,7 +183,8 @@ def test_pdl_kernel_keeps_the_contract(probe, case):
     assert "griddepcontrol.wait" in events, f"{case}: no wait compiled in: {_summary(events)}"
     first_wait = events.index("griddepcontrol.wait")
     before = events[:first_wait]
-    assert not [e for e in before if not e.startswith("ld.")], f"{case}: writes before the wait: {_summary(events)}"
+    assert not [e for e in before if not e.startswith("ld.")], \
+        f"{case}: writes or prefetches before the wait: {_summary(events)}"
     activations = [e for e in before if e != "ld.global.b16"]
     assert not activations, f"{case}: activation loads before the wait: {_summary(events)}"
     if allowed == "none":
@@ -192,6 +198,14 @@ def test_pdl_kernel_keeps_the_contract(probe, case):
         assert e != "griddepcontrol.launch_dependents" or waits, f"{case}: release before any wait"
     assert events.count("griddepcontrol.launch_dependents") == waits, \
         f"{case}: a release was compiled out (dependents would start only when this grid ends): {_summary(events)}"
+
+
+def test_only_the_prefetching_gemv_asks_l2_for_the_next_weights(probe):
+    events = probe["gemv_rms_norm_prefetch"]["events"]
+    after = events[events.index("griddepcontrol.wait"):]
+    assert "prefetch.global.L2" in after, _summary(events)
+    assert not [e for c in CASES if c != "gemv_rms_norm_prefetch" for e in probe[c]["events"]
+                if e.startswith("prefetch.")]
 
 
 @pytest.mark.parametrize("case", PLAIN)

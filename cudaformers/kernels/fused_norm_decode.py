@@ -32,6 +32,11 @@ from .fused_projections import PackedLinear
 from .gemv import gemv_applies, gemv_rms_norm
 
 FOLD_MAX_HIDDEN = 2048  # widest input row the norm is folded for (see the module docstring)
+# Whether the folded q/k/v GEMV has L2 fetch the o and gate/up weights while attention runs
+# (l2_prefetch.py), within L2_FRACTION of the L2. Off until measured: bench/generate.py's
+# "+prefetch" variant turns it on for an A/B (gpu_session.sh part prefetch-ab).
+PREFETCH_NEXT_WEIGHTS = False
+L2_FRACTION = 0.5
 
 
 def _unhooked(module: nn.Module) -> bool:
@@ -58,9 +63,9 @@ def _packed(owner: nn.Module, name: str, linears) -> PackedLinear | None:
     return packed if all(_streams_plainly(m) for m in linears) else None
 
 
-def _fold(norm: RMSNorm, packed: PackedLinear | None, hidden, residual):
+def _fold(norm: RMSNorm, packed: PackedLinear | None, hidden, residual, prefetch: tuple = ()):
     """``(packed(norm(hidden + residual)), hidden + residual)`` in one launch, or None where it
-    would not match the unfused path."""
+    would not match the unfused path. ``prefetch``: weights the launch has L2 fetch for later kernels."""
     if packed is None or not _plain_norm(norm) or torch.is_autocast_enabled(hidden.device.type):
         return None
     if hidden.shape[-1] > FOLD_MAX_HIDDEN:
@@ -69,8 +74,27 @@ def _fold(norm: RMSNorm, packed: PackedLinear | None, hidden, residual):
     if not gemv_applies(packed.weight, *inputs):
         return None
     if residual is None:  # the first layer: the embedding is the residual
-        return gemv_rms_norm(hidden, packed.weight, norm.weight, norm.variance_epsilon, bias=packed.bias), hidden
-    return gemv_rms_norm(hidden, packed.weight, norm.weight, norm.variance_epsilon, residual, packed.bias)
+        return gemv_rms_norm(hidden, packed.weight, norm.weight, norm.variance_epsilon, bias=packed.bias,
+                             prefetch=prefetch), hidden
+    return gemv_rms_norm(hidden, packed.weight, norm.weight, norm.variance_epsilon, residual, packed.bias,
+                         prefetch=prefetch)
+
+
+def next_weights(attn: Attention, mlp: nn.Module, device: torch.device) -> tuple:
+    """What the q/k/v GEMV has L2 fetch while attention runs: the o projection's and the packed
+    gate/up weights, in the order they are read, as far as ``L2_FRACTION`` of the L2 holds them;
+    () when ``PREFETCH_NEXT_WEIGHTS`` is off or on a device without an L2 to fill."""
+    from .hub import _streams_plainly
+    from .l2_prefetch import budget, regions
+
+    limit = budget(device, L2_FRACTION) if PREFETCH_NEXT_WEIGHTS else 0
+    if not limit:
+        return ()
+    weights = [attn.o_proj.weight] if _streams_plainly(attn.o_proj) else []
+    gate_up = _gate_up_packed(mlp)
+    if gate_up is not None:
+        weights.append(gate_up.weight)
+    return regions([w for w in weights if w.device == device], limit)
 
 
 def _attention_past_projections(attn: Attention, qkv: torch.Tensor, cos, sin, batch) -> torch.Tensor:
@@ -106,7 +130,8 @@ def _gate_up_packed(mlp) -> PackedLinear | None:
 def fused_norm_decode_forward(self, hidden, residual, cos, sin, batch):
     """``DecoderLayer.forward`` with each norm folded into the GEMV after it where that is exact."""
     attn, mlp = self.self_attn, self.mlp
-    folded = _fold(self.input_layernorm, _qkv_packed(attn), hidden, residual)
+    folded = _fold(self.input_layernorm, _qkv_packed(attn), hidden, residual,
+                   next_weights(attn, mlp, hidden.device))
     if folded is not None:
         qkv, residual = folded
         hidden = _attention_past_projections(attn, qkv, cos, sin, batch)
