@@ -4,8 +4,9 @@
 
 A variant is an attention backend, optionally with ``+kernels`` (use_kernels=True), ``+cublas``
 (kernels, but matmuls left on cuBLAS instead of the decode GEMV), ``+nofold`` (kernels, but the
-decode norms not folded into the GEMVs after them) and ``+prefetch`` (kernels, and the folded q/k/v
-GEMV has L2 fetch the o and gate/up weights while attention runs: ``fused_norm_decode.PREFETCH_NEXT_WEIGHTS``).
+decode norms not folded into the GEMVs after them) and ``+prefetch1`` / ``+prefetch2`` (kernels, and
+the folded q/k/v GEMV has L2 fetch the o weights / the o and gate/up weights while attention runs:
+``fused_norm_decode.PREFETCH_NEXT_WEIGHTS``).
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ def run_ours(folder, batch, variant, check_eager) -> dict:
     kw = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
     from cudaformers.kernels import fused_norm_decode
 
-    fused_norm_decode.PREFETCH_NEXT_WEIGHTS, before = "prefetch" in flags, fused_norm_decode.PREFETCH_NEXT_WEIGHTS
+    prefetch = max([int(f[len("prefetch"):]) for f in flags if f.startswith("prefetch")] or [0])
+    fused_norm_decode.PREFETCH_NEXT_WEIGHTS, before = prefetch, fused_norm_decode.PREFETCH_NEXT_WEIGHTS
     try:
         model.generate(ids, **kw)
         out, seconds = timed(lambda: model.generate(ids, **kw))

@@ -97,7 +97,8 @@ for part in "${parts[@]}"; do
              python3 bench/distributed.py device-map --shape qwen3-0.6b --json "$OUT/multi.jsonl"
            python3 bench/distributed.py report --json "$OUT/multi.jsonl" ;;
     prefetch-ab) run prefetch-ab 150 python3 bench/generate.py --skip-hf --workloads W1 --check-eager \
-                   --variants triton+kernels,triton+kernels+prefetch,triton+kernels --json "$OUT/results.jsonl" ;;
+                   --variants triton+kernels,triton+kernels+prefetch1,triton+kernels+prefetch2,triton+kernels \
+                   --json "$OUT/results.jsonl" ;;
     fold-ab) run fold-ab 200 python3 bench/generate.py --skip-hf --workloads W1,W2,W3 \
                --variants triton+kernels,triton+kernels+nofold --json "$OUT/results.jsonl" ;;
     attention-graph) run attention-graph 200 python3 -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider -n 8 \

@@ -186,10 +186,11 @@ def test_next_weights_for_the_l2_prefetch(monkeypatch):
     o, gate_up = attn.o_proj.weight, mlp.packed_gate_up.weight
     dev = o.device
     assert fused_module.next_weights(attn, mlp, dev) == ()  # off by default
-    monkeypatch.setattr(fused_module, "PREFETCH_NEXT_WEIGHTS", True)
+    monkeypatch.setattr(fused_module, "PREFETCH_NEXT_WEIGHTS", 2)
     assert fused_module.next_weights(attn, mlp, dev) == ()  # no L2 to fill on this device
     size = o.numel() * o.element_size() + gate_up.numel() * gate_up.element_size()
-    for limit, want in [(size, (o, gate_up)), (size - 1, (o,)), (0, ())]:
+    for count, limit, want in [(2, size, (o, gate_up)), (2, size - 1, (o,)), (1, size, (o,)), (2, 0, ())]:
+        monkeypatch.setattr(fused_module, "PREFETCH_NEXT_WEIGHTS", count)
         monkeypatch.setattr(l2_prefetch, "budget", lambda device, fraction, limit=limit: limit)
         got = fused_module.next_weights(attn, mlp, dev)
         assert len(got) == len(want) and all(a is b for a, b in zip(got, want))

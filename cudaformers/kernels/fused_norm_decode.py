@@ -32,10 +32,11 @@ from .fused_projections import PackedLinear
 from .gemv import gemv_applies, gemv_rms_norm
 
 FOLD_MAX_HIDDEN = 2048  # widest input row the norm is folded for (see the module docstring)
-# Whether the folded q/k/v GEMV has L2 fetch the o and gate/up weights while attention runs
-# (l2_prefetch.py), within L2_FRACTION of the L2. Off until measured: bench/generate.py's
-# "+prefetch" variant turns it on for an A/B (gpu_session.sh part prefetch-ab).
-PREFETCH_NEXT_WEIGHTS = False
+# How many of the next weights (o, then gate/up) the folded q/k/v GEMV has L2 fetch while attention
+# runs (l2_prefetch.py), within L2_FRACTION of the L2. The prefetch keeps HBM busy through the
+# attention's latency but may queue the attention's own reads behind it: 0 (off) until measured;
+# bench/generate.py's "+prefetch1" / "+prefetch2" variants set it for an A/B (gpu_session.sh part prefetch-ab).
+PREFETCH_NEXT_WEIGHTS = 0
 L2_FRACTION = 0.5
 
 
@@ -81,9 +82,9 @@ def _fold(norm: RMSNorm, packed: PackedLinear | None, hidden, residual, prefetch
 
 
 def next_weights(attn: Attention, mlp: nn.Module, device: torch.device) -> tuple:
-    """What the q/k/v GEMV has L2 fetch while attention runs: the o projection's and the packed
-    gate/up weights, in the order they are read, as far as ``L2_FRACTION`` of the L2 holds them;
-    () when ``PREFETCH_NEXT_WEIGHTS`` is off or on a device without an L2 to fill."""
+    """What the q/k/v GEMV has L2 fetch while attention runs: the first ``PREFETCH_NEXT_WEIGHTS`` of
+    the o projection's and the packed gate/up weights, in the order they are read, as far as
+    ``L2_FRACTION`` of the L2 holds them; () when off or on a device without an L2 to fill."""
     from .hub import _streams_plainly
     from .l2_prefetch import budget, regions
 
@@ -94,7 +95,7 @@ def next_weights(attn: Attention, mlp: nn.Module, device: torch.device) -> tuple
     gate_up = _gate_up_packed(mlp)
     if gate_up is not None:
         weights.append(gate_up.weight)
-    return regions([w for w in weights if w.device == device], limit)
+    return regions([w for w in weights if w.device == device][:PREFETCH_NEXT_WEIGHTS], limit)
 
 
 def _attention_past_projections(attn: Attention, qkv: torch.Tensor, cos, sin, batch) -> torch.Tensor:

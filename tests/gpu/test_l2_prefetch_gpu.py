@@ -43,7 +43,7 @@ def test_qwen3_06b_shaped_tokens_with_and_without_the_prefetch(monkeypatch):
     real = gemv._launch
     monkeypatch.setattr(gemv, "_launch", lambda *a, **k: (prefetches.append(len(k.get("prefetch", ()))),
                                                           real(*a, **k))[1])
-    monkeypatch.setattr(fused_norm_decode, "PREFETCH_NEXT_WEIGHTS", True)
+    monkeypatch.setattr(fused_norm_decode, "PREFETCH_NEXT_WEIGHTS", 2)
     got = [model.generate(ids, use_cuda_graph=graph, **kw) for graph in (True, False)]
     assert 2 in prefetches, "no GEMV prefetched the o and gate/up weights"
     assert torch.equal(got[0], want) and torch.equal(got[1], want)
