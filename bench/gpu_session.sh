@@ -25,7 +25,7 @@ trap save_cache EXIT
 parts=("$@"); [ ${#parts[@]} -eq 0 ] && parts=(generate train engine kernels-tests kernels-bench decode-profile)
 # "verify": the GPU tests of code that has not yet run on a GPU, before any benchmark.
 expanded=(); for p in "${parts[@]}"; do
-  case $p in verify) expanded+=(tests:qk_norm_rope_store tests:greedy_advance tests:core tests:pdl) ;;
+  case $p in verify) expanded+=(tests:qk_norm_rope_store tests:l2_prefetch tests:skinny_gemm tests:pdl) ;;
              *) expanded+=("$p") ;; esac
 done; parts=("${expanded[@]}")
 run() {  # name, seconds (LIMIT_<name> overrides), command...
