@@ -100,13 +100,16 @@ def _streams_plainly(linear) -> bool:
 
 
 def gated_mlp_down(mlp, gate, up):
-    """A gated MLP past its gate/up projections, with ``act(gate) * up`` inside the down GEMV where
-    that applies."""
+    """A gated MLP past its gate/up projections, with ``act(gate) * up`` inside the down projection's
+    kernel where one takes it: the GEMV (1-4 rows) or the skinny GEMM (5-32)."""
     from .gemv import gemv_act_mul, gemv_applies
+    from .skinny_gemm import skinny_act_mul, skinny_applies
 
     down = mlp.down_proj
     if _streams_plainly(down) and gemv_applies(down.weight, gate, up):
         return gemv_act_mul(gate, up, down.weight, down.bias, mlp.act_fn.name)
+    if _streams_plainly(down) and skinny_applies(down.weight, gate) and skinny_applies(down.weight, up):
+        return skinny_act_mul(gate, up, down.weight, down.bias, mlp.act_fn.name)
     return down(mlp.act_fn(gate, up))  # GatedMLP.forward, past the projections
 
 
@@ -211,8 +214,8 @@ LAYER_TYPES = {t.name: t for t in [
               default_modes=("inference",)),
     LayerType("GatedMLP", _is_gated_mlp,
               {"cudaformers:fused_mlp_decode": _fused_mlp_decode, "cudaformers:gated_mlp_recompute": _gated_mlp_recompute},
-              "inference: decode-sized gated MLPs (<= 4 rows) with act(gate) * up fused into the down-projection "
-              "GEMV; training: act(gate) * up recomputed in the backward instead of saved",
+              "inference: decode-sized gated MLPs (<= 32 rows) with act(gate) * up fused into the down "
+              "projection's GEMV (1-4 rows) or skinny GEMM (5-32); training: act(gate) * up recomputed in the backward instead of saved",
               forward_only=("cudaformers:fused_mlp_decode",),
               mode_defaults={"inference": "cudaformers:fused_mlp_decode", "training": "cudaformers:gated_mlp_recompute"}),
     LayerType("DecoderLayer", _is_dense_decoder_layer, {"cudaformers:fused_norm_decode": _fused_norm_decode},

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from ..errors import UnsupportedError
+from .activation import _act_and_grad, _code
 from .pdl import pdl_enabled, release_dependents, wait_for_producer
 
 logger = logging.getLogger("cudaformers")
@@ -39,6 +40,7 @@ ROWS = (5, 32)
 _COUNTERS = 4096      # split-K tile counters held per device; a split call uses one per tile
 _MAX_BLOCK_M = 128
 _SMEM_PER_PROGRAM = 100 << 10
+_NO_ACT = -1  # ACT code of the plain GEMM: x is used as loaded
 _counters: dict[str, torch.Tensor] = {}
 _warned_capture: list[bool] = []  # the capture-without-counters note is logged once per process
 
@@ -66,11 +68,22 @@ def _store_rows(acc, b_ptr, y_ptr, offs_n, offs_m, n_ok, m_ok, stride_ym, HAS_BI
 
 
 @triton.jit
-def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, K_SPLIT, NUM_SPLITS,
-                   stride_xm, stride_wn, stride_ym,
+def _x_tile(x_rows, u_rows, k0, mask, ACT: tl.constexpr):
+    """The input tile at K offset ``k0``: x as loaded or, with an activation, ``act(gate) * up`` (x is the
+    gate) computed in fp32 and rounded to x's dtype, the bits the act-and-mul kernel would write."""
+    x = tl.load(x_rows + k0, mask=mask, other=0.0)
+    if ACT >= 0:
+        a, _ = _act_and_grad(x.to(tl.float32), ACT)
+        x = (a * tl.load(u_rows + k0, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+    return x
+
+
+@triton.jit
+def _skinny_kernel(x_ptr, u_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, K_SPLIT, NUM_SPLITS,
+                   stride_xm, stride_um, stride_wn, stride_ym,
                    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-                   USE_PDL: tl.constexpr):
+                   USE_PDL: tl.constexpr, ACT: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -83,6 +96,7 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, K_S
     k_end = tl.minimum(k_begin + K_SPLIT, K)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+    u_rows = u_ptr + offs_m.to(tl.int64)[:, None] * stride_um + offs_k[None, :]  # up, with an activation
 
     # The first weight tile streams in before waiting on the previous kernel (weights are constant);
     # the activations come after the wait.
@@ -92,7 +106,7 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, K_S
     else:
         w = tl.load(w_rows + k_begin, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
     wait_for_producer(USE_PDL)
-    x = tl.load(x_rows + k_begin, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+    x = _x_tile(x_rows, u_rows, k_begin, m_ok[:, None] & k_ok[None, :], ACT)
     acc = _dot(w, tl.trans(x), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), PREC, UPCAST)
     for k0 in range(k_begin + BLOCK_K, k_end, BLOCK_K):
         k_ok = (k0 + offs_k) < K
@@ -100,7 +114,7 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, K_S
             w = tl.load(w_rows + k0)
         else:
             w = tl.load(w_rows + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        x = tl.load(x_rows + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        x = _x_tile(x_rows, u_rows, k0, m_ok[:, None] & k_ok[None, :], ACT)
         acc = _dot(w, tl.trans(x), acc, PREC, UPCAST)
     release_dependents(USE_PDL)
 
@@ -231,21 +245,38 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     overrides the heuristic launch shape (benchmarks)."""
     _check(x, weight, bias)
     x2 = _rows(x)
+    return _launch(x2, x2, weight, bias, config, _NO_ACT).view(*x.shape[:-1], weight.shape[0])
+
+
+def skinny_act_mul(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                   activation: str = "silu", config: SkinnyConfig | None = None) -> torch.Tensor:
+    """``F.linear(act_and_mul(gate, up), weight, bias)`` in one launch: a gated MLP's down projection with
+    ``act(gate) * up`` built on the fly, rounded as the act-and-mul kernel writes it. gate, up ``[..., K]``
+    (strided views of one packed gate/up output are fine); ``activation`` as in ``gemv_act_mul``."""
+    if gate.shape != up.shape or gate.dtype != up.dtype or gate.device != up.device:
+        raise ValueError(f"gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} must have "
+                         "the same shape, dtype and device")
+    _check(gate, weight, bias)
+    act = _code(activation)
+    return _launch(_rows(gate), _rows(up), weight, bias, config, act).view(*gate.shape[:-1], weight.shape[0])
+
+
+def _launch(x2, u2, weight, bias, config, act: int) -> torch.Tensor:
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
     m, k = x2.shape
     n = weight.shape[0]
-    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    y = torch.empty(m, n, device=x2.device, dtype=x2.dtype)
     if m == 0 or n == 0:
-        return y.view(*x.shape[:-1], n)
+        return y
     if k == 0:
-        return (y.zero_() if bias is None else y.copy_(bias.expand(m, n))).view(*x.shape[:-1], n)
-    counters = _tile_counters(x.device)
+        return y.zero_() if bias is None else y.copy_(bias.expand(m, n))
+    counters = _tile_counters(x2.device)
     if counters is None and not _warned_capture:
         _warned_capture.append(True)
         logger.info("skinny GEMM: first called inside a CUDA graph capture, so calls captured before one runs "
                     "outside a capture do without split-K; run one call before capturing for the faster launch")
-    cfg = config or plan(m, n, k, x.dtype, sm_count(x.device), split_ok=counters is not None)
+    cfg = config or plan(m, n, k, x2.dtype, sm_count(x2.device), split_ok=counters is not None)
     if cfg.block_k <= 0 or cfg.k_split % cfg.block_k:
         raise ValueError(f"{cfg}: k_split must be a positive multiple of block_k")
     splits = triton.cdiv(k, cfg.k_split)
@@ -254,17 +285,17 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if split_k and (counters is None or grid[0] * grid[2] > _COUNTERS):
         raise ValueError(f"{cfg} splits K into {splits} for {grid[0] * grid[2]} tiles; at most {_COUNTERS} "
                          "tiles split, and none while capturing the first call into a CUDA graph")
-    part = torch.empty(splits, m, n, device=x.device, dtype=torch.float32) if split_k else y
-    use_pdl = pdl_enabled(x.device)
+    part = torch.empty(splits, m, n, device=x2.device, dtype=torch.float32) if split_k else y
+    use_pdl = pdl_enabled(x2.device)
     extra = {"launch_pdl": True} if use_pdl else {}
     _skinny_kernel[grid](
-        x2, weight, bias if bias is not None else y, y, part, counters if split_k else y, m, n, k, cfg.k_split,
-        splits, x2.stride(0), weight.stride(0), y.stride(0),
+        x2, u2, weight, bias if bias is not None else y, y, part, counters if split_k else y, m, n, k, cfg.k_split,
+        splits, x2.stride(0), u2.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, SPLIT_K=split_k, EVEN=(n % cfg.block_n == 0 and k % cfg.block_k == 0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        PREC="ieee" if x.dtype == torch.float32 else "tf32", UPCAST=interpreting(), USE_PDL=use_pdl,
+        PREC="ieee" if x2.dtype == torch.float32 else "tf32", UPCAST=interpreting(), USE_PDL=use_pdl, ACT=act,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra)
-    return y.view(*x.shape[:-1], n)
+    return y
 
 
 def _triton_ok(x: torch.Tensor) -> bool:
