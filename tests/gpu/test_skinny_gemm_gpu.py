@@ -132,3 +132,17 @@ def test_first_call_inside_a_capture(caplog, monkeypatch):
     finally:
         if saved is not None:
             sg._counters[str(x.device)] = saved
+
+
+@pytest.mark.parametrize("n,k", [(1024, 3072), (4096, 12288)])  # the down projections
+@pytest.mark.parametrize("m", [5, 17, 32])
+@pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh"])
+def test_act_mul_is_the_act_kernel_then_the_gemm(n, k, m, activation):
+    from cudaformers.kernels.activation import act_and_mul_forward
+
+    g = torch.Generator(device="cuda").manual_seed(m + n)
+    gate_up = torch.randn(m, 2 * k, device="cuda", generator=g).bfloat16()
+    gate, up = gate_up[:, :k], gate_up[:, k:]
+    w = (torch.randn(n, k, device="cuda", generator=g) / k ** 0.5).bfloat16()
+    got = sg.skinny_act_mul(gate, up, w, None, activation)
+    assert torch.equal(got, skinny_linear(act_and_mul_forward(gate, up, activation), w))
