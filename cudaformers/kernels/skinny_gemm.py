@@ -33,9 +33,10 @@ logger = logging.getLogger("cudaformers")
 
 # Rows (tokens) skinny_applies accepts by default; gemv.py takes 1-4. Measured on an H200
 # (bench/skinny_gemm.py, bench/RESULTS.md runs 6 and 10): ahead of cuBLAS by 1-11% per layer at
-# 8-16 rows; at 17-32 rows level with it in isolation (qwen3-0.6b: 23.0 vs 24.6 us per layer on the
-# tiles ``plan`` now picks there) and ahead inside a decode step, where it joins the chain of
-# programmatic dependent launches that cuBLAS breaks; behind it from 64 rows on, so cuBLAS keeps those.
+# 8-16 rows; at 17-32 rows about level with it in isolation (qwen3-0.6b: 23.0 vs 24.6 us per layer on
+# the sweep's best tiles, which ``plan`` follows) and ahead inside a decode step, where it joins the
+# chain of programmatic dependent launches that cuBLAS breaks and merges split-K in the same launch
+# (W3, batch 32: +4.6%); behind it from 64 rows on, so cuBLAS keeps those.
 ROWS = (5, 32)
 _COUNTERS = 4096      # split-K tile counters held per device; a split call uses one per tile
 _MAX_BLOCK_M = 128
