@@ -6,7 +6,9 @@ A variant is an attention backend, optionally with ``+kernels`` (use_kernels=Tru
 (kernels, but matmuls left on cuBLAS instead of the decode GEMV), ``+nofold`` (kernels, but the
 decode norms not folded into the GEMVs after them) and ``+prefetch1`` / ``+prefetch2`` (kernels, and
 the folded q/k/v GEMV has L2 fetch the o weights / the o and gate/up weights while attention runs:
-``fused_norm_decode.PREFETCH_NEXT_WEIGHTS``).
+``fused_norm_decode.PREFETCH_NEXT_WEIGHTS``), ``+skinnyfold`` (kernels, and batched decode steps fold
+the norms into the skinny GEMM: ``fused_norm_decode.SKINNY_FOLD``) and ``+nomlp`` (kernels, but the
+gated MLP's activation left out of the down projection's kernel).
 """
 
 from __future__ import annotations
@@ -62,7 +64,8 @@ def run_ours(folder, batch, variant, check_eager) -> dict:
 
     attn, *flags = variant.split("+")
     kernels = "kernels" in flags
-    mapping = {**({"Linear": ""} if "cublas" in flags else {}), **({"DecoderLayer": ""} if "nofold" in flags else {})}
+    mapping = {**({"Linear": ""} if "cublas" in flags else {}), **({"DecoderLayer": ""} if "nofold" in flags else {}),
+               **({"GatedMLP": ""} if "nomlp" in flags else {})}
     config = KernelConfig(kernel_mapping=mapping) if mapping else None
     (model, load_s) = timed(lambda: AutoModelForCausalLM.from_pretrained(
         folder, dtype=torch.bfloat16, device_map="cuda", attn_implementation=attn, use_kernels=kernels,
@@ -72,13 +75,14 @@ def run_ours(folder, batch, variant, check_eager) -> dict:
     from cudaformers.kernels import fused_norm_decode
 
     prefetch = max([int(f[len("prefetch"):]) for f in flags if f.startswith("prefetch")] or [0])
-    fused_norm_decode.PREFETCH_NEXT_WEIGHTS, before = prefetch, fused_norm_decode.PREFETCH_NEXT_WEIGHTS
+    before = fused_norm_decode.PREFETCH_NEXT_WEIGHTS, fused_norm_decode.SKINNY_FOLD
+    fused_norm_decode.PREFETCH_NEXT_WEIGHTS, fused_norm_decode.SKINNY_FOLD = prefetch, "skinnyfold" in flags
     try:
         model.generate(ids, **kw)
         out, seconds = timed(lambda: model.generate(ids, **kw))
         eager = model.generate(ids, use_cuda_graph=False, **kw) if check_eager else None
     finally:
-        fused_norm_decode.PREFETCH_NEXT_WEIGHTS = before
+        fused_norm_decode.PREFETCH_NEXT_WEIGHTS, fused_norm_decode.SKINNY_FOLD = before
     weight_bytes = sum(p.numel() * p.element_size() for p in set(model.parameters()))
     explain = model.explain()
     del model

@@ -99,6 +99,9 @@ for part in "${parts[@]}"; do
     prefetch-ab) run prefetch-ab 150 python3 bench/generate.py --skip-hf --workloads W1 --check-eager \
                    --variants triton+kernels,triton+kernels+prefetch1,triton+kernels+prefetch2,triton+kernels \
                    --json "$OUT/results.jsonl" ;;
+    fold32-ab) run fold32-ab 200 python3 bench/generate.py --skip-hf --workloads W3 --check-eager \
+                 --variants triton+kernels,triton+kernels+skinnyfold,triton+kernels+nomlp,triton+kernels+cublas \
+                 --json "$OUT/results.jsonl" ;;
     fold-ab) run fold-ab 200 python3 bench/generate.py --skip-hf --workloads W1,W2,W3 \
                --variants triton+kernels,triton+kernels+nofold --json "$OUT/results.jsonl" ;;
     attention-graph) run attention-graph 200 python3 -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider -n 8 \

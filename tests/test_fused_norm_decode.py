@@ -210,3 +210,23 @@ def test_prefetch_regions_and_arguments():
         launch_args((a, a, a), b)
     with pytest.raises(ValueError, match="needs a GPU"):
         gemv._launch(torch.zeros(1, 32), torch.zeros(1, 32), b.new_zeros(8, 32), None, gemv._NO_ACT, prefetch=(a,))
+
+
+def test_skinny_fold_for_batched_decode(monkeypatch):
+    """With SKINNY_FOLD (off by default, unmeasured) decode steps of 5-32 rows fold both norms into the
+    skinny GEMM: the same greedy tokens as the unfused kernels in fp32."""
+    from cudaformers.kernels import skinny_gemm
+
+    calls = []
+    real = skinny_gemm.skinny_rms_norm
+    monkeypatch.setattr(skinny_gemm, "skinny_rms_norm", lambda x, *a, **k: (calls.append(x.shape[0]),
+                                                                              real(x, *a, **k))[1])
+    unfused, fused = _models("qwen3")
+    ids = torch.randint(3, 211, (6, 4), generator=torch.Generator().manual_seed(6))
+    greedy = {**GREEDY, "max_new_tokens": 4}
+    want = unfused.generate(ids, **greedy)
+    assert torch.equal(fused.generate(ids, **greedy), want) and not calls  # off by default
+    monkeypatch.setattr(fused_module, "SKINNY_FOLD", True)
+    assert torch.equal(fused.generate(ids, **greedy), want)
+    # Every 6-row decode step folds both norms of every layer (the 24-row prefill too: 5-32 rows).
+    assert calls.count(6) == (greedy["max_new_tokens"] - 1) * 2 * len(fused.model.layers)

@@ -38,6 +38,11 @@ FOLD_MAX_HIDDEN = 2048  # widest input row the norm is folded for (see the modul
 # bench/generate.py's "+prefetch1" / "+prefetch2" variants set it for an A/B (gpu_session.sh part prefetch-ab).
 PREFETCH_NEXT_WEIGHTS = 0
 L2_FRACTION = 0.5
+# Whether 5-32-row steps (batched decode) fold the norms into the skinny GEMM too
+# (``skinny_gemm.skinny_rms_norm``): every program then re-reads its rows over all of K for the sum of
+# squares, which the GEMV's measurement says pays at batch 1 but nobody has timed at 32 rows. Off until
+# measured: bench/generate.py's "+skinnyfold" variant turns it on for an A/B (gpu_session part fold32-ab).
+SKINNY_FOLD = False
 
 
 def _unhooked(module: nn.Module) -> bool:
@@ -73,12 +78,25 @@ def _fold(norm: RMSNorm, packed: PackedLinear | None, hidden, residual, prefetch
         return None
     inputs = (hidden, norm.weight) if residual is None else (hidden, residual, norm.weight)
     if not gemv_applies(packed.weight, *inputs):
-        return None
+        return _skinny_fold(norm, packed, hidden, residual) if SKINNY_FOLD else None
     if residual is None:  # the first layer: the embedding is the residual
         return gemv_rms_norm(hidden, packed.weight, norm.weight, norm.variance_epsilon, bias=packed.bias,
                              prefetch=prefetch), hidden
     return gemv_rms_norm(hidden, packed.weight, norm.weight, norm.variance_epsilon, residual, packed.bias,
                          prefetch=prefetch)
+
+
+def _skinny_fold(norm: RMSNorm, packed: PackedLinear, hidden, residual):
+    """``_fold`` for 5-32 rows, on the skinny GEMM; None where it does not take the rows."""
+    from .skinny_gemm import skinny_applies, skinny_rms_norm
+
+    if not skinny_applies(packed.weight, hidden) or norm.weight.dtype != hidden.dtype:
+        return None
+    if residual is not None and (residual.dtype != hidden.dtype or residual.shape != hidden.shape):
+        return None
+    if residual is None:
+        return skinny_rms_norm(hidden, packed.weight, norm.weight, norm.variance_epsilon, bias=packed.bias), hidden
+    return skinny_rms_norm(hidden, packed.weight, norm.weight, norm.variance_epsilon, residual, packed.bias)
 
 
 def next_weights(attn: Attention, mlp: nn.Module, device: torch.device) -> tuple:

@@ -220,18 +220,24 @@ def gemv_rms_norm(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tens
     ``RMSNorm(x, residual)`` returns the normed row and the sum. ``prefetch``: up to two contiguous
     weights the next kernels read, fetched into L2 by this launch (``l2_prefetch.py``; GPU only).
     """
+    check_norm_inputs(x, norm_weight, residual)
+    x2 = _rows(x)
+    s = torch.empty(x2.shape, device=x.device, dtype=x.dtype) if residual is not None else None
+    y = _launch(x2, _rows(residual) if residual is not None else x2, weight, bias, _NO_ACT,
+                norm=(norm_weight.contiguous(), float(eps), s), prefetch=prefetch).view(*x.shape[:-1], weight.shape[0])
+    return y if residual is None else (y, s.view(x.shape))
+
+
+def check_norm_inputs(x: torch.Tensor, norm_weight: torch.Tensor, residual: torch.Tensor | None) -> None:
+    """What a projection with a folded RMSNorm needs: the residual like x, a ``[K]`` norm weight in x's dtype."""
     k = x.shape[-1]
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} must have x's shape and dtype "
                          f"{tuple(x.shape)} {x.dtype}")
     if norm_weight.shape != (k,) or norm_weight.dtype != x.dtype:
         raise ValueError(f"norm weight {tuple(norm_weight.shape)} {norm_weight.dtype} must be [{k}] in x's dtype "
-                         f"{x.dtype} (the unfused norm would otherwise write another dtype); use rms_norm then gemv")
-    x2 = _rows(x)
-    s = torch.empty(x2.shape, device=x.device, dtype=x.dtype) if residual is not None else None
-    y = _launch(x2, _rows(residual) if residual is not None else x2, weight, bias, _NO_ACT,
-                norm=(norm_weight.contiguous(), float(eps), s), prefetch=prefetch).view(*x.shape[:-1], weight.shape[0])
-    return y if residual is None else (y, s.view(x.shape))
+                         f"{x.dtype} (the unfused norm would otherwise write another dtype); use rms_norm, then the "
+                         "projection")
 
 
 def gemv_rms_norm_reference(x, weight, norm_weight, eps: float, residual=None, bias=None):
