@@ -7,8 +7,10 @@ A variant is an attention backend, optionally with ``+kernels`` (use_kernels=Tru
 decode norms not folded into the GEMVs after them) and ``+prefetch1`` / ``+prefetch2`` (kernels, and
 the folded q/k/v GEMV has L2 fetch the o weights / the o and gate/up weights while attention runs:
 ``fused_norm_decode.PREFETCH_NEXT_WEIGHTS``), ``+skinnyfold`` (kernels, and batched decode steps fold
-the norms into the skinny GEMM: ``fused_norm_decode.SKINNY_FOLD``) and ``+nomlp`` (kernels, but the
-gated MLP's activation left out of the down projection's kernel).
+the norms into the skinny GEMM: ``fused_norm_decode.SKINNY_FOLD``), ``+kvprefetch`` (kernels, and the
+paged decode requests its length, block table and first K/V tile before its PDL wait:
+``paged_decode.EARLY_PREFETCH``) and ``+nomlp`` (kernels, but the gated MLP's activation left out of the
+down projection's kernel).
 """
 
 from __future__ import annotations
@@ -75,14 +77,17 @@ def run_ours(folder, batch, variant, check_eager) -> dict:
     from cudaformers.kernels import fused_norm_decode
 
     prefetch = max([int(f[len("prefetch"):]) for f in flags if f.startswith("prefetch")] or [0])
-    before = fused_norm_decode.PREFETCH_NEXT_WEIGHTS, fused_norm_decode.SKINNY_FOLD
+    from cudaformers.kernels import paged_decode
+
+    before = fused_norm_decode.PREFETCH_NEXT_WEIGHTS, fused_norm_decode.SKINNY_FOLD, paged_decode.EARLY_PREFETCH
     fused_norm_decode.PREFETCH_NEXT_WEIGHTS, fused_norm_decode.SKINNY_FOLD = prefetch, "skinnyfold" in flags
+    paged_decode.EARLY_PREFETCH = "kvprefetch" in flags
     try:
         model.generate(ids, **kw)
         out, seconds = timed(lambda: model.generate(ids, **kw))
         eager = model.generate(ids, use_cuda_graph=False, **kw) if check_eager else None
     finally:
-        fused_norm_decode.PREFETCH_NEXT_WEIGHTS, fused_norm_decode.SKINNY_FOLD = before
+        fused_norm_decode.PREFETCH_NEXT_WEIGHTS, fused_norm_decode.SKINNY_FOLD, paged_decode.EARLY_PREFETCH = before
     weight_bytes = sum(p.numel() * p.element_size() for p in set(model.parameters()))
     explain = model.explain()
     del model

@@ -96,8 +96,8 @@ for part in "${parts[@]}"; do
            run multi-device-map-swapped 200 env CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=1,0 \
              python3 bench/distributed.py device-map --shape qwen3-0.6b --json "$OUT/multi.jsonl"
            python3 bench/distributed.py report --json "$OUT/multi.jsonl" ;;
-    prefetch-ab) run prefetch-ab 150 python3 bench/generate.py --skip-hf --workloads W1 --check-eager \
-                   --variants triton+kernels,triton+kernels+prefetch1,triton+kernels+prefetch2,triton+kernels \
+    prefetch-ab) run prefetch-ab 190 python3 bench/generate.py --skip-hf --workloads W1 --check-eager \
+                   --variants triton+kernels,triton+kernels+prefetch1,triton+kernels+prefetch2,triton+kernels+kvprefetch,triton+kernels \
                    --json "$OUT/results.jsonl" ;;
     fold32-ab) run fold32-ab 200 python3 bench/generate.py --skip-hf --workloads W3 --check-eager \
                  --variants triton+kernels,triton+kernels+skinnyfold,triton+kernels+nomlp,triton+kernels+cublas \

@@ -37,6 +37,9 @@ CASES = {
     "qk_norm_rope": ("weights", False),
     "qk_norm_rope_store": ("weights", False),
     "kv_store": ("none", False),
+    "paged_decode": ("none", False),
+    # EARLY_PREFETCH: lengths and block tables (int64 here) before the wait, the first K/V tile into L2.
+    "paged_decode_early": ("step inputs", False),
     "act_and_mul": ("none", False),
 }
 PLAIN = ("act_and_mul_pdl_off", "act_and_mul_backward")
@@ -45,7 +48,7 @@ PLAIN = ("act_and_mul_pdl_off", "act_and_mul_backward")
 def _cases():
     """name -> (module, kernel attribute, call that launches it with bf16 weights, fp32 activations)."""
     from cudaformers.attention.kv_cache import KVStore
-    from cudaformers.kernels import activation, gemv, kv_store, qk_norm_rope, rms_norm
+    from cudaformers.kernels import activation, gemv, kv_store, paged_decode, qk_norm_rope, rms_norm
 
     bf, f32 = torch.bfloat16, torch.float32
     x, w = torch.randn(1, 96, dtype=f32), torch.randn(40, 96, dtype=bf)
@@ -54,6 +57,18 @@ def _cases():
     qkv = torch.randn(2, 4 * 32, dtype=f32)
     cos, sin = torch.randn(2, 32, dtype=f32), torch.randn(2, 32, dtype=f32)
     cache = torch.zeros(4, 4, 1, 32, dtype=f32)
+    # A decode step of two sequences over a bf16 paged cache, with int64 lengths and block tables.
+    kv_cache, lens, table = torch.zeros(4, 4, 1, 32, dtype=bf), torch.tensor([3, 7]), torch.tensor([[0, 1], [2, 3]])
+
+    def decode(early):
+        def call():
+            paged_decode.EARLY_PREFETCH = early
+            try:
+                paged_decode.paged_decode(qkv[:, :64].view(2, 2, 32), kv_cache, kv_cache.clone(), lens, table, 8, 0.1)
+            finally:
+                paged_decode.EARLY_PREFETCH = False
+        return call
+
     return {
         "gemv": (gemv, "_gemv_kernel", lambda: gemv.gemv(x, w)),
         "gemv_k_loop": (gemv, "_gemv_kernel", lambda: gemv.gemv(*big_k)),
@@ -78,6 +93,8 @@ def _cases():
             kv_store=KVStore(qkv[:, 96:].view(2, 1, 32), cache, cache.clone(), torch.tensor([3, 9])))),
         "kv_store": (kv_store, "_store_kv_kernel", lambda: kv_store.store_kv_triton(
             cache, cache.clone(), qkv[:, :32].view(2, 1, 32), qkv[:, 32:64].view(2, 1, 32), torch.tensor([3, 9]))),
+        "paged_decode": (paged_decode, "_paged_decode_kernel", decode(False)),
+        "paged_decode_early": (paged_decode, "_paged_decode_kernel", decode(True)),
         "act_and_mul": (activation, "_act_mul_fwd",
                         lambda: activation.act_and_mul_forward(gate_up[:, :96], gate_up[:, 96:], pdl=True)),
         "act_and_mul_pdl_off": (activation, "_act_mul_fwd",
@@ -183,9 +200,15 @@ def test_pdl_kernel_keeps_the_contract(probe, case):
     assert "griddepcontrol.wait" in events, f"{case}: no wait compiled in: {_summary(events)}"
     first_wait = events.index("griddepcontrol.wait")
     before = events[:first_wait]
+    if allowed == "step inputs":  # the first tile of K and V, into L2 only
+        assert "prefetch.global.L2" in before, f"{case}: no L2 prefetch before the wait: {_summary(events)}"
+        before = [e for e in before if not e.startswith("prefetch.")]
     assert not [e for e in before if not e.startswith("ld.")], \
         f"{case}: writes or prefetches before the wait: {_summary(events)}"
-    activations = [e for e in before if e != "ld.global.b16"]
+    # By width (see the module docstring): weights are b16; "step inputs" also allows the int64
+    # lengths and block tables (b64), which kernels finished before this grid was released wrote.
+    widths = ("b16", "b64") if allowed == "step inputs" else ("b16",)
+    activations = [e for e in before if e.split(".")[-1] not in widths]
     assert not activations, f"{case}: activation loads before the wait: {_summary(events)}"
     if allowed == "none":
         assert not before, f"{case}: loads before the wait: {_summary(events)}"
@@ -204,8 +227,8 @@ def test_only_the_prefetching_gemv_asks_l2_for_the_next_weights(probe):
     events = probe["gemv_rms_norm_prefetch"]["events"]
     after = events[events.index("griddepcontrol.wait"):]
     assert "prefetch.global.L2" in after, _summary(events)
-    assert not [e for c in CASES if c != "gemv_rms_norm_prefetch" for e in probe[c]["events"]
-                if e.startswith("prefetch.")]
+    assert not [e for c in CASES if c not in ("gemv_rms_norm_prefetch", "paged_decode_early")
+                for e in probe[c]["events"] if e.startswith("prefetch.")]
 
 
 @pytest.mark.parametrize("case", PLAIN)

@@ -33,11 +33,16 @@ import triton.language as tl
 
 from .flash_attention import attention_reference
 from .flash_attention_fwd import LOG2E, _UPCAST_DOT, _dot, _dot_precision, block_d, check_inputs, interpreting
+from .l2_prefetch import prefetch_l2
 from .pdl import pdl_enabled, release_dependents, wait_for_producer
 
 logger = logging.getLogger("cudaformers")
 
 MAX_SPLITS = 64
+# Whether a PDL launch requests its length, block table and (into L2) first K/V tile before waiting
+# for the previous kernel, instead of after. Off until measured: bench/generate.py's "+kvprefetch"
+# variant turns it on for an A/B (gpu_session.sh part prefetch-ab).
+EARLY_PREFETCH = False
 # fp32 elements of partial outputs the merging program holds at once (64 registers a thread at 4 warps).
 _MERGE_ELEMENTS = 8192
 
@@ -45,7 +50,7 @@ _MERGE_ELEMENTS = 8192
 @triton.jit
 def _slots(bt_row, pos, mask, PAGE_SIZE: tl.constexpr):
     """Cache row of each key position (int64); masked positions get a harmless row of block 0."""
-    block = tl.load(bt_row + pos // PAGE_SIZE, mask=mask, other=0)
+    block = tl.load(bt_row + pos // PAGE_SIZE, mask=mask, other=0, cache_modifier=".cg")
     return block.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
 
 
@@ -86,24 +91,30 @@ def _paged_decode_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUPS: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_GM: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr,
     MAY_SPLIT: tl.constexpr, SPLIT_TILES: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr,
-    PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr, EARLY: tl.constexpr,
+    PREFETCH: tl.constexpr, LINES: tl.constexpr, LINE_ELEMS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    # Everything below reads what earlier kernels of the step wrote (q, the cache, lengths, tables).
-    wait_for_producer(USE_PDL)
-    release_dependents(USE_PDL)
+    if not EARLY:
+        # Everything below reads what earlier kernels of the step wrote (q, the cache, lengths, tables).
+        wait_for_producer(USE_PDL)
+        release_dependents(USE_PDL)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     g_mask = offs_g < GROUPS
     d_mask = offs_d < HEAD_DIM
     heads = kv_head * GROUPS + offs_g
-    # q does not depend on the length: its load is in flight while the length -> range -> block table chain runs.
     q_ptrs = Q + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
-    k_len = tl.load(seqlens_k + seq)
+    if not EARLY:
+        # q does not depend on the length: its load is in flight while the length -> range -> block table chain runs.
+        q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
+    # EARLY: the length and block table are read before the wait. Kernels that had finished before the
+    # previous kernel released this grid wrote them (pdl.py); .cg reads them from L2, never from a line
+    # an SM cached earlier.
+    k_len = tl.load(seqlens_k + seq, cache_modifier=".cg")
     # Split 0 starts at key 0 (without a window), so its first tile's block-table entries do not wait
     # for the length: requested now, they arrive with it. Entries past the length are never used.
     bt_row = block_table + seq.to(tl.int64) * stride_bt
@@ -125,6 +136,9 @@ def _paged_decode_kernel(
         per_split = tl.cdiv(n_tiles, used) * BLOCK_N
         used = tl.cdiv(n, per_split)
         if split >= used:
+            if EARLY:  # every program waits once (pdl.py), even one with nothing to do
+                wait_for_producer(USE_PDL)
+                release_dependents(USE_PDL)
             return
     start = lo + split * per_split
     end = tl.minimum(start + per_split, k_len)
@@ -133,6 +147,17 @@ def _paged_decode_kernel(
 
     Kh = K + kv_head * stride_kh
     Vh = V + kv_head * stride_vh
+    if EARLY:
+        # While the previous kernel drains, L2 fetches this program's first tile of K and V from HBM. A
+        # prefetch only: the newest row, which that kernel is writing, is read after the wait.
+        if PREFETCH:
+            lines = (tl.arange(0, LINES) * LINE_ELEMS)[None, :]
+            first = tl.where((start + tl.arange(0, BLOCK_N) < end)[:, None], rows[:, None], 0)
+            prefetch_l2(Kh + first * stride_kt + lines)
+            prefetch_l2(Vh + first * stride_vt + lines)
+        wait_for_producer(USE_PDL)
+        release_dependents(USE_PDL)
+        q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -332,7 +357,9 @@ def paged_decode(q, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k: int,
         BLOCK_GM=block_gm, BLOCK_N=tiling.block_n, PAGE_SIZE=page_size, HAS_WINDOW=bool(window),
         MAY_SPLIT=splits > 1, SPLIT_TILES=tiling.split_tiles, BLOCK_S=block_s,
         CHUNK_S=max(1, min(block_s, _MERGE_ELEMENTS // (block_gm * bd))),
-        PREC=_dot_precision(q.dtype), UPCAST=_UPCAST_DOT, USE_PDL=pdl,
+        PREC=_dot_precision(q.dtype), UPCAST=_UPCAST_DOT, USE_PDL=pdl, EARLY=pdl and EARLY_PREFETCH,
+        PREFETCH=not interpreting(), LINES=triton.next_power_of_2(max(1, -(-head_dim * k.element_size() // 128))),
+        LINE_ELEMS=128 // k.element_size(),
         num_warps=tiling.num_warps, num_stages=tiling.num_stages, launch_pdl=pdl)
     return out
 

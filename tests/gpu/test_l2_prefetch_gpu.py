@@ -47,3 +47,37 @@ def test_qwen3_06b_shaped_tokens_with_and_without_the_prefetch(monkeypatch):
     got = [model.generate(ids, use_cuda_graph=graph, **kw) for graph in (True, False)]
     assert 2 in prefetches, "no GEMV prefetched the o and gate/up weights"
     assert torch.equal(got[0], want) and torch.equal(got[1], want)
+
+
+@pytest.mark.parametrize("batch", [1, 32])
+def test_early_paged_decode_same_bits(batch, monkeypatch):
+    """paged_decode.EARLY_PREFETCH (off by default): the length, block table and an L2 prefetch of the
+    first K/V tile before the PDL wait give the same bits as the plain launch, eagerly and in a graph
+    behind a kernel that writes the newest cache row."""
+    from cudaformers.attention.kv_cache import store_kv
+    from cudaformers.kernels import paged_decode as pd
+
+    g = torch.Generator(device=DEV).manual_seed(batch)
+    lens = torch.randint(1, 700, (batch,), device=DEV, generator=g).int()
+    pages = 16
+    width = -(-700 // pages)
+    k_cache, v_cache = (torch.randn(batch * width, pages, 8, 128, device=DEV, generator=g).bfloat16() for _ in range(2))
+    table = torch.randperm(batch * width, device=DEV, generator=g).int().view(batch, width)
+    slots = (table[torch.arange(batch, device=DEV), (lens - 1) // pages].long() * pages + (lens - 1) % pages)
+    q = torch.randn(batch, 16, 128, device=DEV, generator=g).bfloat16()
+    k_new, v_new = (torch.randn(batch, 8, 128, device=DEV, generator=g).bfloat16() for _ in range(2))
+
+    def step():
+        store_kv(k_cache, v_cache, k_new, v_new, slots)  # the producer the early reads must not race
+        return pd.paged_decode(q, k_cache, v_cache, lens, table, 700, 0.088)
+
+    want = step()
+    monkeypatch.setattr(pd, "EARLY_PREFETCH", True)
+    assert torch.equal(step(), want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    k_new.normal_(generator=g)  # a new newest row: the replay must read it, not the old one
+    graph.replay()
+    monkeypatch.setattr(pd, "EARLY_PREFETCH", False)
+    assert torch.equal(out, step())
