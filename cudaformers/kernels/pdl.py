@@ -7,7 +7,10 @@ its weights in) and then waits at ``wait_for_producer`` until the predecessor's 
 
 The contract every kernel launched with ``launch_pdl=True`` keeps:
 - before ``wait_for_producer`` it only *reads* memory no earlier kernel of the step writes
-  (weights, constants); every other load and every store comes after it;
+  (weights, constants), asks L2 to prefetch (which returns nothing and cannot read stale data), or
+  reads what only kernels two or more launches back wrote (a step's lengths and block tables): by
+  the time this grid may start, its predecessor has waited for those kernels to finish. Such reads
+  bypass L1 (``.cg``). Every other load and every store comes after the wait;
 - every program calls ``wait_for_producer`` exactly once, before any branch that could skip it: a
   grid then cannot complete before its predecessor has, so a chain of early-scheduled kernels stays
   ordered transitively (kernel N+2 waiting on N+1 also waits on N);
