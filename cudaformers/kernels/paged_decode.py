@@ -48,9 +48,9 @@ _MERGE_ELEMENTS = 8192
 
 
 @triton.jit
-def _slots(bt_row, pos, mask, PAGE_SIZE: tl.constexpr):
+def _slots(bt_row, pos, mask, PAGE_SIZE: tl.constexpr, CACHE: tl.constexpr):
     """Cache row of each key position (int64); masked positions get a harmless row of block 0."""
-    block = tl.load(bt_row + pos // PAGE_SIZE, mask=mask, other=0, cache_modifier=".cg")
+    block = tl.load(bt_row + pos // PAGE_SIZE, mask=mask, other=0, cache_modifier=CACHE)
     return block.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
 
 
@@ -92,7 +92,7 @@ def _paged_decode_kernel(
     BLOCK_GM: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr,
     MAY_SPLIT: tl.constexpr, SPLIT_TILES: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr, EARLY: tl.constexpr,
-    PREFETCH: tl.constexpr, LINES: tl.constexpr, LINE_ELEMS: tl.constexpr,
+    PREFETCH: tl.constexpr, LINES: tl.constexpr, LINE_ELEMS: tl.constexpr, CACHE: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -112,14 +112,14 @@ def _paged_decode_kernel(
         # q does not depend on the length: its load is in flight while the length -> range -> block table chain runs.
         q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
     # EARLY: the length and block table are read before the wait. Kernels that had finished before the
-    # previous kernel released this grid wrote them (pdl.py); .cg reads them from L2, never from a line
-    # an SM cached earlier.
-    k_len = tl.load(seqlens_k + seq, cache_modifier=".cg")
+    # previous kernel released this grid wrote them (pdl.py); CACHE = ".cg" then reads them from L2,
+    # never from a line an SM cached earlier.
+    k_len = tl.load(seqlens_k + seq, cache_modifier=CACHE)
     # Split 0 starts at key 0 (without a window), so its first tile's block-table entries do not wait
     # for the length: requested now, they arrive with it. Entries past the length are never used.
     bt_row = block_table + seq.to(tl.int64) * stride_bt
     offs_k = tl.arange(0, BLOCK_N)
-    rows = _slots(bt_row, offs_k, offs_k < table_keys, PAGE_SIZE)
+    rows = _slots(bt_row, offs_k, offs_k < table_keys, PAGE_SIZE, CACHE)
     lo = 0
     if HAS_WINDOW:  # the query sits at position k_len - 1 and sees keys j > k_len - 1 - window
         lo = tl.maximum(k_len - window, 0)
@@ -143,7 +143,7 @@ def _paged_decode_kernel(
     start = lo + split * per_split
     end = tl.minimum(start + per_split, k_len)
     if start != 0:
-        rows = _slots(bt_row, start + offs_k, start + offs_k < end, PAGE_SIZE)
+        rows = _slots(bt_row, start + offs_k, start + offs_k < end, PAGE_SIZE, CACHE)
 
     Kh = K + kv_head * stride_kh
     Vh = V + kv_head * stride_vh
@@ -170,7 +170,7 @@ def _paged_decode_kernel(
         # in flight while this tile's scores are computed.
         k = tl.load(Kh + rows[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         v = tl.load(Vh + rows[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        rows = _slots(bt_row, offs_n + BLOCK_N, offs_n + BLOCK_N < end, PAGE_SIZE)
+        rows = _slots(bt_row, offs_n + BLOCK_N, offs_n + BLOCK_N < end, PAGE_SIZE, CACHE)
         s = _dot(q, tl.trans(k), PREC, UPCAST) * qk_scale  # [BLOCK_G, BLOCK_N]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -348,6 +348,7 @@ def paged_decode(q, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k: int,
     else:  # never touched: the only split writes the output
         part, lse, arrived, split_strides = out, out, seqlens_k, (0,) * 5
     pdl = pdl_enabled(q.device)
+    early = pdl and EARLY_PREFETCH
     _paged_decode_kernel[(num_seqs, num_kv_heads, splits)](
         q, k, v, out, part, lse, arrived, seqlens_k, block_table, block_table.shape[1] * page_size,
         scale * LOG2E, window or 0, tiling.split_above,
@@ -357,7 +358,7 @@ def paged_decode(q, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k: int,
         BLOCK_GM=block_gm, BLOCK_N=tiling.block_n, PAGE_SIZE=page_size, HAS_WINDOW=bool(window),
         MAY_SPLIT=splits > 1, SPLIT_TILES=tiling.split_tiles, BLOCK_S=block_s,
         CHUNK_S=max(1, min(block_s, _MERGE_ELEMENTS // (block_gm * bd))),
-        PREC=_dot_precision(q.dtype), UPCAST=_UPCAST_DOT, USE_PDL=pdl, EARLY=pdl and EARLY_PREFETCH,
+        PREC=_dot_precision(q.dtype), UPCAST=_UPCAST_DOT, USE_PDL=pdl, EARLY=early, CACHE=".cg" if early else "",
         PREFETCH=not interpreting(), LINES=triton.next_power_of_2(max(1, -(-head_dim * k.element_size() // 128))),
         LINE_ELEMS=128 // k.element_size(),
         num_warps=tiling.num_warps, num_stages=tiling.num_stages, launch_pdl=pdl)
