@@ -14,6 +14,7 @@ interpreter form, so callers compile it only for a GPU.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -46,8 +47,6 @@ def _l2_bytes(index: int) -> int:
 def budget(device: torch.device, fraction: float) -> int:
     """Bytes of weights worth prefetching at once on ``device``: ``fraction`` of its L2, or 0 where
     there is nothing to prefetch into (not a GPU, or the interpreter)."""
-    import os
-
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return 0
     return int(_l2_bytes(device.index if device.index is not None else torch.cuda.current_device()) * fraction)
