@@ -1,7 +1,7 @@
 """Quantized inference and QLoRA on one GPU: kernels, W1/W2 decode per method, and a QLoRA step.
 
     python bench/quant.py [--parts kernels,tiles,decode,qlora] [--shapes qwen3-0.6b,qwen3-8b]
-                          [--methods bf16,int8,int4,nf4,fp8] [--json out.jsonl]
+                          [--methods bf16,int8,int4,nf4,fp8,int8_head,int4_head] [--json out.jsonl]
 
 kernels: the quantized matmul of each qwen3-8b decode layer shape (q/k/v and gate/up packed) at
 M = 1 and 16 against the bf16 path of use_kernels (GEMV / skinny GEMM): microseconds per call from
@@ -35,7 +35,10 @@ GIB = 1 << 30
 def method_config(name: str):
     from cudaformers import BitsAndBytesConfig, FP8Config, Int4Config, Int8Config
 
+    # "_head": the vocabulary projection quantized too (by default it stays bf16: 1.25 GB a token at 8b).
     return {"bf16": None, "int8": Int8Config(), "int4": Int4Config(group_size=128),
+            "int8_head": Int8Config(modules_to_not_convert=[]),
+            "int4_head": Int4Config(group_size=128, modules_to_not_convert=[]),
             "nf4": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype="bfloat16"),
             "nf4_dq": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                          bnb_4bit_compute_dtype="bfloat16"),
