@@ -215,12 +215,10 @@ def test_prefetch_regions_and_arguments():
 def test_skinny_fold_for_batched_decode(monkeypatch):
     """With SKINNY_FOLD (off by default, unmeasured) decode steps of 5-32 rows fold both norms into the
     skinny GEMM: the same greedy tokens as the unfused kernels in fp32."""
-    from cudaformers.kernels import skinny_gemm
-
     calls = []
-    real = skinny_gemm.skinny_rms_norm
-    monkeypatch.setattr(skinny_gemm, "skinny_rms_norm", lambda x, *a, **k: (calls.append(x.shape[0]),
-                                                                              real(x, *a, **k))[1])
+    real = fused_module.skinny_rms_norm
+    monkeypatch.setattr(fused_module, "skinny_rms_norm", lambda x, *a, **k: (calls.append(x.shape[0]),
+                                                                               real(x, *a, **k))[1])
     unfused, fused = _models("qwen3")
     ids = torch.randint(3, 211, (6, 4), generator=torch.Generator().manual_seed(6))
     greedy = {**GREEDY, "max_new_tokens": 4}

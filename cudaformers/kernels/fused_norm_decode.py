@@ -22,6 +22,8 @@ more than a launch at 4096. Measured on an H200 (bench/RESULTS.md run 8): qwen3-
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -30,6 +32,7 @@ from ..layers.mlp import GatedMLP
 from ..layers.norm import RMSNorm
 from .fused_projections import PackedLinear
 from .gemv import gemv_applies, gemv_rms_norm
+from .skinny_gemm import skinny_applies, skinny_rms_norm
 
 FOLD_MAX_HIDDEN = 2048  # widest input row the norm is folded for (see the module docstring)
 # How many of the next weights (o, then gate/up) the folded q/k/v GEMV has L2 fetch while attention
@@ -77,26 +80,15 @@ def _fold(norm: RMSNorm, packed: PackedLinear | None, hidden, residual, prefetch
     if hidden.shape[-1] > FOLD_MAX_HIDDEN:
         return None
     inputs = (hidden, norm.weight) if residual is None else (hidden, residual, norm.weight)
-    if not gemv_applies(packed.weight, *inputs):
-        return _skinny_fold(norm, packed, hidden, residual) if SKINNY_FOLD else None
+    if gemv_applies(packed.weight, *inputs):
+        project = functools.partial(gemv_rms_norm, prefetch=prefetch)
+    elif SKINNY_FOLD and skinny_applies(packed.weight, hidden) and all(t.dtype == hidden.dtype for t in inputs):
+        project = skinny_rms_norm  # 5-32 rows
+    else:
+        return None
     if residual is None:  # the first layer: the embedding is the residual
-        return gemv_rms_norm(hidden, packed.weight, norm.weight, norm.variance_epsilon, bias=packed.bias,
-                             prefetch=prefetch), hidden
-    return gemv_rms_norm(hidden, packed.weight, norm.weight, norm.variance_epsilon, residual, packed.bias,
-                         prefetch=prefetch)
-
-
-def _skinny_fold(norm: RMSNorm, packed: PackedLinear, hidden, residual):
-    """``_fold`` for 5-32 rows, on the skinny GEMM; None where it does not take the rows."""
-    from .skinny_gemm import skinny_applies, skinny_rms_norm
-
-    if not skinny_applies(packed.weight, hidden) or norm.weight.dtype != hidden.dtype:
-        return None
-    if residual is not None and (residual.dtype != hidden.dtype or residual.shape != hidden.shape):
-        return None
-    if residual is None:
-        return skinny_rms_norm(hidden, packed.weight, norm.weight, norm.variance_epsilon, bias=packed.bias), hidden
-    return skinny_rms_norm(hidden, packed.weight, norm.weight, norm.variance_epsilon, residual, packed.bias)
+        return project(hidden, packed.weight, norm.weight, norm.variance_epsilon, bias=packed.bias), hidden
+    return project(hidden, packed.weight, norm.weight, norm.variance_epsilon, residual, packed.bias)
 
 
 def next_weights(attn: Attention, mlp: nn.Module, device: torch.device) -> tuple:

@@ -220,16 +220,15 @@ def gemv_rms_norm(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tens
     ``RMSNorm(x, residual)`` returns the normed row and the sum. ``prefetch``: up to two contiguous
     weights the next kernels read, fetched into L2 by this launch (``l2_prefetch.py``; GPU only).
     """
-    check_norm_inputs(x, norm_weight, residual)
-    x2 = _rows(x)
-    s = torch.empty(x2.shape, device=x.device, dtype=x.dtype) if residual is not None else None
-    y = _launch(x2, _rows(residual) if residual is not None else x2, weight, bias, _NO_ACT,
-                norm=(norm_weight.contiguous(), float(eps), s), prefetch=prefetch).view(*x.shape[:-1], weight.shape[0])
-    return y if residual is None else (y, s.view(x.shape))
+    return with_folded_norm(lambda x2, r2, norm: _launch(x2, r2, weight, bias, _NO_ACT, norm=norm, prefetch=prefetch),
+                            x, weight.shape[0], norm_weight, eps, residual)
 
 
-def check_norm_inputs(x: torch.Tensor, norm_weight: torch.Tensor, residual: torch.Tensor | None) -> None:
-    """What a projection with a folded RMSNorm needs: the residual like x, a ``[K]`` norm weight in x's dtype."""
+def with_folded_norm(launch, x: torch.Tensor, n: int, norm_weight: torch.Tensor, eps: float,
+                     residual: torch.Tensor | None):
+    """The shared frame of a projection with a folded RMSNorm (this GEMV, the skinny GEMM): checks the
+    inputs, allocates the residual sum and calls ``launch(x2, residual2, (norm weight, eps, sum or None))``
+    for the ``[M, n]`` output. Returns ``y [..., n]``, or ``(y, x + residual)`` with a residual."""
     k = x.shape[-1]
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} must have x's shape and dtype "
@@ -238,6 +237,11 @@ def check_norm_inputs(x: torch.Tensor, norm_weight: torch.Tensor, residual: torc
         raise ValueError(f"norm weight {tuple(norm_weight.shape)} {norm_weight.dtype} must be [{k}] in x's dtype "
                          f"{x.dtype} (the unfused norm would otherwise write another dtype); use rms_norm, then the "
                          "projection")
+    x2 = _rows(x)
+    s = torch.empty(x2.shape, device=x.device, dtype=x.dtype) if residual is not None else None
+    y = launch(x2, _rows(residual) if residual is not None else x2,
+               (norm_weight.contiguous(), float(eps), s)).view(*x.shape[:-1], n)
+    return y if residual is None else (y, s.view(x.shape))
 
 
 def gemv_rms_norm_reference(x, weight, norm_weight, eps: float, residual=None, bias=None):

@@ -33,7 +33,7 @@ import triton.language as tl
 
 from .flash_attention import attention_reference
 from .flash_attention_fwd import LOG2E, _UPCAST_DOT, _dot, _dot_precision, block_d, check_inputs, interpreting
-from .l2_prefetch import prefetch_l2
+from .l2_prefetch import LINE_BYTES, prefetch_l2
 from .pdl import pdl_enabled, release_dependents, wait_for_producer
 
 logger = logging.getLogger("cudaformers")
@@ -92,7 +92,7 @@ def _paged_decode_kernel(
     BLOCK_GM: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr,
     MAY_SPLIT: tl.constexpr, SPLIT_TILES: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr, EARLY: tl.constexpr,
-    PREFETCH: tl.constexpr, LINES: tl.constexpr, LINE_ELEMS: tl.constexpr, CACHE: tl.constexpr,
+    LINES: tl.constexpr, LINE_ELEMS: tl.constexpr, CACHE: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -150,11 +150,10 @@ def _paged_decode_kernel(
     if EARLY:
         # While the previous kernel drains, L2 fetches this program's first tile of K and V from HBM. A
         # prefetch only: the newest row, which that kernel is writing, is read after the wait.
-        if PREFETCH:
-            lines = (tl.arange(0, LINES) * LINE_ELEMS)[None, :]
-            first = tl.where((start + tl.arange(0, BLOCK_N) < end)[:, None], rows[:, None], 0)
-            prefetch_l2(Kh + first * stride_kt + lines)
-            prefetch_l2(Vh + first * stride_vt + lines)
+        lines = (tl.arange(0, LINES) * LINE_ELEMS)[None, :]
+        first = tl.where((start + tl.arange(0, BLOCK_N) < end)[:, None], rows[:, None], 0)
+        prefetch_l2(Kh + first * stride_kt + lines)
+        prefetch_l2(Vh + first * stride_vt + lines)
         wait_for_producer(USE_PDL)
         release_dependents(USE_PDL)
         q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
@@ -348,7 +347,7 @@ def paged_decode(q, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k: int,
     else:  # never touched: the only split writes the output
         part, lse, arrived, split_strides = out, out, seqlens_k, (0,) * 5
     pdl = pdl_enabled(q.device)
-    early = pdl and EARLY_PREFETCH
+    early = pdl and EARLY_PREFETCH  # PDL is never on under the interpreter, which has no prefetch
     _paged_decode_kernel[(num_seqs, num_kv_heads, splits)](
         q, k, v, out, part, lse, arrived, seqlens_k, block_table, block_table.shape[1] * page_size,
         scale * LOG2E, window or 0, tiling.split_above,
@@ -359,8 +358,8 @@ def paged_decode(q, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k: int,
         MAY_SPLIT=splits > 1, SPLIT_TILES=tiling.split_tiles, BLOCK_S=block_s,
         CHUNK_S=max(1, min(block_s, _MERGE_ELEMENTS // (block_gm * bd))),
         PREC=_dot_precision(q.dtype), UPCAST=_UPCAST_DOT, USE_PDL=pdl, EARLY=early, CACHE=".cg" if early else "",
-        PREFETCH=not interpreting(), LINES=triton.next_power_of_2(max(1, -(-head_dim * k.element_size() // 128))),
-        LINE_ELEMS=128 // k.element_size(),
+        LINES=triton.next_power_of_2(triton.cdiv(head_dim * k.element_size(), LINE_BYTES)),
+        LINE_ELEMS=LINE_BYTES // k.element_size(),
         num_warps=tiling.num_warps, num_stages=tiling.num_stages, launch_pdl=pdl)
     return out
 

@@ -27,7 +27,7 @@ import triton.language as tl
 
 from ..errors import UnsupportedError
 from .activation import _act_and_grad, _code
-from .gemv import _normed, _residual_sum
+from .gemv import _normed, _residual_sum, _rows, with_folded_norm
 from .pdl import pdl_enabled, release_dependents, wait_for_producer
 
 logger = logging.getLogger("cudaformers")
@@ -244,13 +244,6 @@ def _tile_counters(device: torch.device) -> torch.Tensor | None:
     return counters
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """``[..., K]`` -> ``[M, K]`` with unit stride along K; a strided view (a slice of a packed
-    projection output) stays a view."""
-    t2 = t.reshape(-1, t.shape[-1])
-    return t2 if t2.stride(-1) == 1 else t2.contiguous()
-
-
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"input of {x.shape[-1]} features does not match the weight {tuple(weight.shape)} "
@@ -299,15 +292,9 @@ def skinny_rms_norm(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Te
                     config: SkinnyConfig | None = None):
     """``F.linear(rms_norm(x + residual), weight, bias)`` in one launch, rounded at rms_norm's steps: the
     skinny counterpart of ``gemv.gemv_rms_norm`` (same arguments and returns; 5-32 rows)."""
-    from .gemv import check_norm_inputs
-
-    check_norm_inputs(x, norm_weight, residual)
     _check(x, weight, bias)
-    x2 = _rows(x)
-    s = torch.empty(x2.shape, device=x.device, dtype=x.dtype) if residual is not None else None
-    y = _launch(x2, _rows(residual) if residual is not None else x2, weight, bias, config, _NO_ACT,
-                norm=(norm_weight.contiguous(), float(eps), s)).view(*x.shape[:-1], weight.shape[0])
-    return y if residual is None else (y, s.view(x.shape))
+    return with_folded_norm(lambda x2, r2, norm: _launch(x2, r2, weight, bias, config, _NO_ACT, norm=norm),
+                            x, weight.shape[0], norm_weight, eps, residual)
 
 
 def _launch(x2, u2, weight, bias, config, act: int, norm: tuple | None = None) -> torch.Tensor:
