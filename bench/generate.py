@@ -74,11 +74,9 @@ def run_ours(folder, batch, variant, check_eager) -> dict:
         kernel_config=config))
     ids = prompt_ids(batch)
     kw = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
-    from cudaformers.kernels import fused_norm_decode
+    from cudaformers.kernels import fused_norm_decode, paged_decode
 
     prefetch = max([int(f[len("prefetch"):]) for f in flags if f.startswith("prefetch")] or [0])
-    from cudaformers.kernels import paged_decode
-
     before = fused_norm_decode.PREFETCH_NEXT_WEIGHTS, fused_norm_decode.SKINNY_FOLD, paged_decode.EARLY_PREFETCH
     fused_norm_decode.PREFETCH_NEXT_WEIGHTS, fused_norm_decode.SKINNY_FOLD = prefetch, "skinnyfold" in flags
     paged_decode.EARLY_PREFETCH = "kvprefetch" in flags

@@ -74,11 +74,11 @@ def _compile_shapes(jobs: list[tuple[int, int, int, list[SkinnyConfig]]]) -> Non
 
 def precompile(shapes: list[tuple[int, int, int]], workers: int) -> None:
     """Compile the whole grid in parallel first: one at a time, compiling takes most of a sweep."""
-    jobs = [[] for _ in range(workers)]
+    jobs = [{} for _ in range(workers)]  # per worker: shape -> its configs (one weight allocation each)
     for i, (m, n, k, c) in enumerate((m, n, k, c) for m, n, k in shapes for c in sweep_configs(m, n, k)):
-        jobs[i % workers].append((m, n, k, [c]))
+        jobs[i % workers].setdefault((m, n, k), []).append(c)
     with multiprocessing.get_context("spawn").Pool(workers) as pool:
-        pool.map(_compile_shapes, [j for j in jobs if j])
+        pool.map(_compile_shapes, [[(*shape, cs) for shape, cs in j.items()] for j in jobs if j])
 
 
 def describe(cfg: SkinnyConfig, k: int) -> str:
