@@ -3,14 +3,9 @@
     python bench/generate.py [--workloads W1,W2,W3] [--variants sdpa,triton+kernels] [--skip-hf] [--check-eager]
 
 A variant is an attention backend, optionally with ``+kernels`` (use_kernels=True), ``+cublas``
-(kernels, but matmuls left on cuBLAS instead of the decode GEMV), ``+nofold`` (kernels, but the
-decode norms not folded into the GEMVs after them) and ``+prefetch1`` / ``+prefetch2`` (kernels, and
-the folded q/k/v GEMV has L2 fetch the o weights / the o and gate/up weights while attention runs:
-``fused_norm_decode.PREFETCH_NEXT_WEIGHTS``), ``+skinnyfold`` (kernels, and batched decode steps fold
-the norms into the skinny GEMM: ``fused_norm_decode.SKINNY_FOLD``), ``+kvprefetch`` (kernels, and the
-paged decode requests its length, block table and first K/V tile before its PDL wait:
-``paged_decode.EARLY_PREFETCH``) and ``+nomlp`` (kernels, but the gated MLP's activation left out of the
-down projection's kernel).
+(kernels, but matmuls left on cuBLAS instead of the decode GEMV and skinny GEMM), ``+nofold`` (kernels,
+but the decode norms not folded into the GEMVs after them) and ``+nomlp`` (kernels, but the gated MLP's
+activation left out of the down projection's GEMV).
 """
 
 from __future__ import annotations
@@ -74,18 +69,9 @@ def run_ours(folder, batch, variant, check_eager) -> dict:
         kernel_config=config))
     ids = prompt_ids(batch)
     kw = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
-    from cudaformers.kernels import fused_norm_decode, paged_decode
-
-    prefetch = max([int(f[len("prefetch"):]) for f in flags if f.startswith("prefetch")] or [0])
-    before = fused_norm_decode.PREFETCH_NEXT_WEIGHTS, fused_norm_decode.SKINNY_FOLD, paged_decode.EARLY_PREFETCH
-    fused_norm_decode.PREFETCH_NEXT_WEIGHTS, fused_norm_decode.SKINNY_FOLD = prefetch, "skinnyfold" in flags
-    paged_decode.EARLY_PREFETCH = "kvprefetch" in flags
-    try:
-        model.generate(ids, **kw)
-        out, seconds = timed(lambda: model.generate(ids, **kw))
-        eager = model.generate(ids, use_cuda_graph=False, **kw) if check_eager else None
-    finally:
-        fused_norm_decode.PREFETCH_NEXT_WEIGHTS, fused_norm_decode.SKINNY_FOLD, paged_decode.EARLY_PREFETCH = before
+    model.generate(ids, **kw)
+    out, seconds = timed(lambda: model.generate(ids, **kw))
+    eager = model.generate(ids, use_cuda_graph=False, **kw) if check_eager else None
     weight_bytes = sum(p.numel() * p.element_size() for p in set(model.parameters()))
     explain = model.explain()
     del model

@@ -30,16 +30,13 @@ CASES = {
     "gemv_act_mul": ("weights", True),
     "gemv_rms_norm": ("weights", True),
     "gemv_rms_norm_k_loop": ("weights", True),
-    # With the next projections' weights fetched into L2 (l2_prefetch.py) once its own are in.
-    "gemv_rms_norm_prefetch": ("weights", True),
     "rms_norm": ("weights", False),
     "rms_norm_residual": ("weights", False),
     "qk_norm_rope": ("weights", False),
     "qk_norm_rope_store": ("weights", False),
     "kv_store": ("none", False),
-    "paged_decode": ("none", False),
-    # EARLY_PREFETCH: lengths and block tables (int64 here) before the wait, the first K/V tile into L2.
-    "paged_decode_early": ("step inputs", False),
+    # Lengths and block tables (int64 here) before the wait, the first K/V tile into L2.
+    "paged_decode": ("step inputs", False),
     "act_and_mul": ("none", False),
 }
 PLAIN = ("act_and_mul_pdl_off", "act_and_mul_backward")
@@ -60,15 +57,6 @@ def _cases():
     # A decode step of two sequences over a bf16 paged cache, with int64 lengths and block tables.
     kv_cache, lens, table = torch.zeros(4, 4, 1, 32, dtype=bf), torch.tensor([3, 7]), torch.tensor([[0, 1], [2, 3]])
 
-    def decode(early):
-        def call():
-            paged_decode.EARLY_PREFETCH = early
-            try:
-                paged_decode.paged_decode(qkv[:, :64].view(2, 2, 32), kv_cache, kv_cache.clone(), lens, table, 8, 0.1)
-            finally:
-                paged_decode.EARLY_PREFETCH = False
-        return call
-
     return {
         "gemv": (gemv, "_gemv_kernel", lambda: gemv.gemv(x, w)),
         "gemv_k_loop": (gemv, "_gemv_kernel", lambda: gemv.gemv(*big_k)),
@@ -76,9 +64,6 @@ def _cases():
         # Through _launch: gemv_rms_norm wants the norm weight in x's dtype, and here it must be bf16.
         "gemv_rms_norm": (gemv, "_gemv_kernel", lambda: gemv._launch(
             x, x.clone(), w, None, gemv._NO_ACT, norm=(w[0], 1e-6, torch.empty_like(x)))),
-        "gemv_rms_norm_prefetch": (gemv, "_gemv_kernel", lambda: gemv._launch(
-            x, x.clone(), w, None, gemv._NO_ACT, norm=(w[0], 1e-6, torch.empty_like(x)),
-            prefetch=(big_k[1], w))),
         "gemv_rms_norm_k_loop": (gemv, "_gemv_kernel", lambda: gemv._launch(
             big_k[0], big_k[0].clone(), big_k[1], None, gemv._NO_ACT,
             norm=(big_k[1][0], 1e-6, torch.empty_like(big_k[0])))),
@@ -93,8 +78,8 @@ def _cases():
             kv_store=KVStore(qkv[:, 96:].view(2, 1, 32), cache, cache.clone(), torch.tensor([3, 9])))),
         "kv_store": (kv_store, "_store_kv_kernel", lambda: kv_store.store_kv_triton(
             cache, cache.clone(), qkv[:, :32].view(2, 1, 32), qkv[:, 32:64].view(2, 1, 32), torch.tensor([3, 9]))),
-        "paged_decode": (paged_decode, "_paged_decode_kernel", decode(False)),
-        "paged_decode_early": (paged_decode, "_paged_decode_kernel", decode(True)),
+        "paged_decode": (paged_decode, "_paged_decode_kernel", lambda: paged_decode.paged_decode(
+            qkv[:, :64].view(2, 2, 32), kv_cache, kv_cache.clone(), lens, table, 8, 0.1)),
         "act_and_mul": (activation, "_act_mul_fwd",
                         lambda: activation.act_and_mul_forward(gate_up[:, :96], gate_up[:, 96:], pdl=True)),
         "act_and_mul_pdl_off": (activation, "_act_mul_fwd",
@@ -223,12 +208,8 @@ def test_pdl_kernel_keeps_the_contract(probe, case):
         f"{case}: a release was compiled out (dependents would start only when this grid ends): {_summary(events)}"
 
 
-def test_only_the_prefetching_gemv_asks_l2_for_the_next_weights(probe):
-    events = probe["gemv_rms_norm_prefetch"]["events"]
-    after = events[events.index("griddepcontrol.wait"):]
-    assert "prefetch.global.L2" in after, _summary(events)
-    assert not [e for c in CASES if c not in ("gemv_rms_norm_prefetch", "paged_decode_early")
-                for e in probe[c]["events"] if e.startswith("prefetch.")]
+def test_only_the_paged_decode_prefetches(probe):
+    assert not [e for c in CASES if c != "paged_decode" for e in probe[c]["events"] if e.startswith("prefetch.")]
 
 
 @pytest.mark.parametrize("case", PLAIN)

@@ -22,8 +22,6 @@ more than a launch at 4096. Measured on an H200 (bench/RESULTS.md run 8): qwen3-
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
 
@@ -32,20 +30,8 @@ from ..layers.mlp import GatedMLP
 from ..layers.norm import RMSNorm
 from .fused_projections import PackedLinear
 from .gemv import gemv_applies, gemv_rms_norm
-from .skinny_gemm import skinny_applies, skinny_rms_norm
 
 FOLD_MAX_HIDDEN = 2048  # widest input row the norm is folded for (see the module docstring)
-# How many of the next weights (o, then gate/up) the folded q/k/v GEMV has L2 fetch while attention
-# runs (l2_prefetch.py), within L2_FRACTION of the L2. The prefetch keeps HBM busy through the
-# attention's latency but may queue the attention's own reads behind it: 0 (off) until measured;
-# bench/generate.py's "+prefetch1" / "+prefetch2" variants set it for an A/B (gpu_session.sh part prefetch-ab).
-PREFETCH_NEXT_WEIGHTS = 0
-L2_FRACTION = 0.5
-# Whether 5-32-row steps (batched decode) fold the norms into the skinny GEMM too
-# (``skinny_gemm.skinny_rms_norm``): every program then re-reads its rows over all of K for the sum of
-# squares, which the GEMV's measurement says pays at batch 1 but nobody has timed at 32 rows. Off until
-# measured: bench/generate.py's "+skinnyfold" variant turns it on for an A/B (gpu_session part fold32-ab).
-SKINNY_FOLD = False
 
 
 def _unhooked(module: nn.Module) -> bool:
@@ -72,40 +58,19 @@ def _packed(owner: nn.Module, name: str, linears) -> PackedLinear | None:
     return packed if all(_streams_plainly(m) for m in linears) else None
 
 
-def _fold(norm: RMSNorm, packed: PackedLinear | None, hidden, residual, prefetch: tuple = ()):
+def _fold(norm: RMSNorm, packed: PackedLinear | None, hidden, residual):
     """``(packed(norm(hidden + residual)), hidden + residual)`` in one launch, or None where it
-    would not match the unfused path. ``prefetch``: weights the launch has L2 fetch for later kernels."""
+    would not match the unfused path."""
     if packed is None or not _plain_norm(norm) or torch.is_autocast_enabled(hidden.device.type):
         return None
     if hidden.shape[-1] > FOLD_MAX_HIDDEN:
         return None
     inputs = (hidden, norm.weight) if residual is None else (hidden, residual, norm.weight)
-    if gemv_applies(packed.weight, *inputs):
-        project = functools.partial(gemv_rms_norm, prefetch=prefetch)
-    elif SKINNY_FOLD and skinny_applies(packed.weight, hidden) and all(t.dtype == hidden.dtype for t in inputs):
-        project = skinny_rms_norm  # 5-32 rows
-    else:
+    if not gemv_applies(packed.weight, *inputs):
         return None
     if residual is None:  # the first layer: the embedding is the residual
-        return project(hidden, packed.weight, norm.weight, norm.variance_epsilon, bias=packed.bias), hidden
-    return project(hidden, packed.weight, norm.weight, norm.variance_epsilon, residual, packed.bias)
-
-
-def next_weights(attn: Attention, mlp: nn.Module, device: torch.device) -> tuple:
-    """What the q/k/v GEMV has L2 fetch while attention runs: the first ``PREFETCH_NEXT_WEIGHTS`` of
-    the o projection's and the packed gate/up weights, in the order they are read, as far as
-    ``L2_FRACTION`` of the L2 holds them; () when off or on a device without an L2 to fill."""
-    from .hub import _streams_plainly
-    from .l2_prefetch import budget, regions
-
-    limit = budget(device, L2_FRACTION) if PREFETCH_NEXT_WEIGHTS else 0
-    if not limit:
-        return ()
-    weights = [attn.o_proj.weight] if _streams_plainly(attn.o_proj) else []
-    gate_up = _gate_up_packed(mlp)
-    if gate_up is not None:
-        weights.append(gate_up.weight)
-    return regions([w for w in weights if w.device == device][:PREFETCH_NEXT_WEIGHTS], limit)
+        return gemv_rms_norm(hidden, packed.weight, norm.weight, norm.variance_epsilon, bias=packed.bias), hidden
+    return gemv_rms_norm(hidden, packed.weight, norm.weight, norm.variance_epsilon, residual, packed.bias)
 
 
 def _attention_past_projections(attn: Attention, qkv: torch.Tensor, cos, sin, batch) -> torch.Tensor:
@@ -141,8 +106,7 @@ def _gate_up_packed(mlp) -> PackedLinear | None:
 def fused_norm_decode_forward(self, hidden, residual, cos, sin, batch):
     """``DecoderLayer.forward`` with each norm folded into the GEMV after it where that is exact."""
     attn, mlp = self.self_attn, self.mlp
-    folded = _fold(self.input_layernorm, _qkv_packed(attn), hidden, residual,
-                   next_weights(attn, mlp, hidden.device))
+    folded = _fold(self.input_layernorm, _qkv_packed(attn), hidden, residual)
     if folded is not None:
         qkv, residual = folded
         hidden = _attention_past_projections(attn, qkv, cos, sin, batch)

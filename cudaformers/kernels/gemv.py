@@ -38,7 +38,6 @@ import triton
 import triton.language as tl
 
 from .activation import _act_and_grad, _code
-from .l2_prefetch import launch_args, prefetch_share
 from .pdl import pdl_enabled, release_dependents, wait_for_producer
 
 MAX_ROWS = 4
@@ -81,9 +80,8 @@ def _normed(s, rstd, norm_w):
 
 @triton.jit
 def _gemv_kernel(x_ptr, u_ptr, w_ptr, b_ptr, y_ptr, nw_ptr, s_ptr, N, K, eps, stride_xm, stride_um, stride_wn,
-                 stride_ym, pf0_ptr, pf0_lines, pf1_ptr, pf1_lines, ACT: tl.constexpr, NORM: tl.constexpr,
-                 HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 USE_PDL: tl.constexpr, PREFETCH: tl.constexpr, PF_LINE0: tl.constexpr, PF_LINE1: tl.constexpr):
+                 stride_ym, ACT: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
     # Inputs by mode: plain (x), ACT (gate x, up u), NORM (x, residual u, norm weight nw, sum out s).
     pid_n = tl.program_id(0)
     m = tl.program_id(1)
@@ -136,11 +134,6 @@ def _gemv_kernel(x_ptr, u_ptr, w_ptr, b_ptr, y_ptr, nw_ptr, s_ptr, N, K, eps, st
         else:
             xk = _input_tile(x_row, u_row, k, k_ok, ACT)
         acc += w * xk[None, :]
-    if PREFETCH > 0:  # this program's weights are in: L2 fetches the next kernels' (l2_prefetch.py)
-        if m == 0:
-            prefetch_share(pf0_ptr, pf0_lines, pid_n, tl.num_programs(0), PF_LINE0, 128)
-            if PREFETCH > 1:
-                prefetch_share(pf1_ptr, pf1_lines, pid_n, tl.num_programs(0), PF_LINE1, 128)
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
@@ -165,9 +158,8 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
-def _launch(x2, u2, weight, bias, act: int, norm: tuple | None = None, prefetch: tuple = ()) -> torch.Tensor:
-    """``norm``: ``(norm weight, eps, sum output or None)`` for the NORM mode (u2 is the residual);
-    ``prefetch``: up to two contiguous weights for L2 to fetch once this GEMV's are in (GPU only)."""
+def _launch(x2, u2, weight, bias, act: int, norm: tuple | None = None) -> torch.Tensor:
+    """``norm``: ``(norm weight, eps, sum output or None)`` for the NORM mode (u2 is the residual)."""
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
     m, k = x2.shape
@@ -179,13 +171,10 @@ def _launch(x2, u2, weight, bias, act: int, norm: tuple | None = None, prefetch:
     grid = (triton.cdiv(n, block_n), m)
     pdl = pdl_enabled(x2.device)  # GEMVs run without autograd only: always an inference launch
     norm_w, eps, s = norm if norm is not None else (y, 0.0, None)
-    if prefetch and os.environ.get("TRITON_INTERPRET") == "1":
-        raise ValueError("gemv: an L2 prefetch needs a GPU (the interpreter has no prefetch instruction)")
-    pf_args, pf_consts = launch_args(tuple(prefetch), weight)
     _gemv_kernel[grid](x2, u2, weight, bias if bias is not None else y, y, norm_w, s if s is not None else y,
-                       n, k, eps, x2.stride(0), u2.stride(0), weight.stride(0), y.stride(0), *pf_args, ACT=act,
+                       n, k, eps, x2.stride(0), u2.stride(0), weight.stride(0), y.stride(0), ACT=act,
                        NORM=norm is not None, HAS_RESIDUAL=s is not None, HAS_BIAS=bias is not None,
-                       BLOCK_N=block_n, BLOCK_K=block_k, USE_PDL=pdl, **pf_consts, num_warps=warps, num_stages=3,
+                       BLOCK_N=block_n, BLOCK_K=block_k, USE_PDL=pdl, num_warps=warps, num_stages=3,
                        launch_pdl=pdl)
     return y
 
@@ -212,23 +201,21 @@ def gemv_act_mul(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bia
 
 
 def gemv_rms_norm(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                  residual: torch.Tensor | None = None, bias: torch.Tensor | None = None, prefetch: tuple = ()):
+                  residual: torch.Tensor | None = None, bias: torch.Tensor | None = None):
     """``F.linear(rms_norm(x + residual), weight, bias)`` in one launch, rounded as the two ops are.
 
     x, residual ``[..., K]`` (at most a few rows, the same dtype), norm_weight ``[K]`` and weight
     ``[N, K]`` in x's dtype -> ``y [..., N]``; with a residual ``(y, x + residual)``, as
-    ``RMSNorm(x, residual)`` returns the normed row and the sum. ``prefetch``: up to two contiguous
-    weights the next kernels read, fetched into L2 by this launch (``l2_prefetch.py``; GPU only).
+    ``RMSNorm(x, residual)`` returns the normed row and the sum.
     """
-    return with_folded_norm(lambda x2, r2, norm: _launch(x2, r2, weight, bias, _NO_ACT, norm=norm, prefetch=prefetch),
+    return with_folded_norm(lambda x2, r2, norm: _launch(x2, r2, weight, bias, _NO_ACT, norm=norm),
                             x, weight.shape[0], norm_weight, eps, residual)
 
 
 def with_folded_norm(launch, x: torch.Tensor, n: int, norm_weight: torch.Tensor, eps: float,
                      residual: torch.Tensor | None):
-    """The shared frame of a projection with a folded RMSNorm (this GEMV, the skinny GEMM): checks the
-    inputs, allocates the residual sum and calls ``launch(x2, residual2, (norm weight, eps, sum or None))``
-    for the ``[M, n]`` output. Returns ``y [..., n]``, or ``(y, x + residual)`` with a residual."""
+    """The frame of a projection with a folded RMSNorm: checks the inputs, allocates the residual sum
+    and calls ``launch(x2, residual2, (norm weight, eps, sum or None))`` for the ``[M, n]`` output. Returns ``y [..., n]``, or ``(y, x + residual)`` with a residual."""
     k = x.shape[-1]
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} must have x's shape and dtype "

@@ -101,15 +101,14 @@ def _streams_plainly(linear) -> bool:
 
 def gated_mlp_down(mlp, gate, up):
     """A gated MLP past its gate/up projections, with ``act(gate) * up`` inside the down projection's
-    kernel where one takes it: the GEMV (1-4 rows) or the skinny GEMM (5-32)."""
+    GEMV where that takes the rows (1-4). At 5-32 rows the skinny GEMM's tensor-core loop is
+    better fed by a separate act-and-mul launch: building the input tiles inside it cost W3 9%
+    (bench/RESULTS.md run 11)."""
     from .gemv import gemv_act_mul, gemv_applies
-    from .skinny_gemm import skinny_act_mul, skinny_applies
 
     down = mlp.down_proj
     if _streams_plainly(down) and gemv_applies(down.weight, gate, up):
         return gemv_act_mul(gate, up, down.weight, down.bias, mlp.act_fn.name)
-    if _streams_plainly(down) and skinny_applies(down.weight, gate) and skinny_applies(down.weight, up):
-        return skinny_act_mul(gate, up, down.weight, down.bias, mlp.act_fn.name)
     return down(mlp.act_fn(gate, up))  # GatedMLP.forward, past the projections
 
 

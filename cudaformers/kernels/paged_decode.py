@@ -39,10 +39,6 @@ from .pdl import pdl_enabled, release_dependents, wait_for_producer
 logger = logging.getLogger("cudaformers")
 
 MAX_SPLITS = 64
-# Whether a PDL launch requests its length, block table and (into L2) first K/V tile before waiting
-# for the previous kernel, instead of after. Off until measured: bench/generate.py's "+kvprefetch"
-# variant turns it on for an A/B (gpu_session.sh part prefetch-ab).
-EARLY_PREFETCH = False
 # fp32 elements of partial outputs the merging program holds at once (64 registers a thread at 4 warps).
 _MERGE_ELEMENTS = 8192
 
@@ -347,7 +343,10 @@ def paged_decode(q, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k: int,
     else:  # never touched: the only split writes the output
         part, lse, arrived, split_strides = out, out, seqlens_k, (0,) * 5
     pdl = pdl_enabled(q.device)
-    early = pdl and EARLY_PREFETCH  # PDL is never on under the interpreter, which has no prefetch
+    # With PDL the launch requests its length, block table and (into L2) first K/V tile before waiting
+    # for the previous kernel: qwen3-0.6b decode 1,320 -> 1,363 tok/s on an H200 (RESULTS.md run 11).
+    # PDL is never on under the interpreter, which has no prefetch instruction.
+    early = pdl
     _paged_decode_kernel[(num_seqs, num_kv_heads, splits)](
         q, k, v, out, part, lse, arrived, seqlens_k, block_table, block_table.shape[1] * page_size,
         scale * LOG2E, window or 0, tiling.split_above,

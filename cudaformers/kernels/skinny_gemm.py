@@ -26,8 +26,7 @@ import triton
 import triton.language as tl
 
 from ..errors import UnsupportedError
-from .activation import _act_and_grad, _code
-from .gemv import _normed, _residual_sum, _rows, with_folded_norm
+from .gemv import _rows
 from .pdl import pdl_enabled, release_dependents, wait_for_producer
 
 logger = logging.getLogger("cudaformers")
@@ -42,7 +41,6 @@ ROWS = (5, 32)
 _COUNTERS = 4096      # split-K tile counters held per device; a split call uses one per tile
 _MAX_BLOCK_M = 128
 _SMEM_PER_PROGRAM = 100 << 10
-_NO_ACT = -1  # ACT code of the plain GEMM: x is used as loaded
 _counters: dict[str, torch.Tensor] = {}
 _warned_capture: list[bool] = []  # the capture-without-counters note is logged once per process
 
@@ -70,46 +68,10 @@ def _store_rows(acc, b_ptr, y_ptr, offs_n, offs_m, n_ok, m_ok, stride_ym, HAS_BI
 
 
 @triton.jit
-def _row_rstd(x_rows, u_rows, s_rows, K, m_ok, offs_k, eps, writes, HAS_RESIDUAL: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Pass 1 of a folded RMSNorm: ``1 / rms(x + residual)`` of each row over all of K, ``[BLOCK_M, 1]``,
-    as rms_norm computes it; the one program that ``writes`` stores ``x + residual`` (the next residual)."""
-    sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        mask = m_ok[:, None] & ((k0 + offs_k) < K)[None, :]
-        s = _residual_sum(x_rows, u_rows, k0, mask, HAS_RESIDUAL)
-        if HAS_RESIDUAL:
-            if writes:
-                tl.store(s_rows + k0, s, mask=mask)
-        sq += s.to(tl.float32) * s.to(tl.float32)
-    return (1.0 / tl.sqrt(tl.sum(sq, axis=1) / K + eps))[:, None]
-
-
-@triton.jit
-def _x_tile(x_rows, u_rows, nw_ptr, rstd, k0, offs_k, m_ok, k_ok, ACT: tl.constexpr, NORM: tl.constexpr,
-            HAS_RESIDUAL: tl.constexpr):
-    """The input tile at K offset ``k0``: x as loaded; with an activation ``act(gate) * up`` (x is the gate)
-    in fp32 rounded to x's dtype, the bits the act-and-mul kernel would write; with a norm
-    ``rms_norm(x + residual)`` (u is the residual) rounded at rms_norm's steps."""
-    mask = m_ok[:, None] & k_ok[None, :]
-    if NORM:
-        s = _residual_sum(x_rows, u_rows, k0, mask, HAS_RESIDUAL)
-        x = _normed(s, rstd, tl.load(nw_ptr + k0 + offs_k, mask=k_ok, other=0.0)[None, :]).to(s.dtype)
-    else:
-        x = tl.load(x_rows + k0, mask=mask, other=0.0)
-        if ACT >= 0:
-            a, _ = _act_and_grad(x.to(tl.float32), ACT)
-            x = (a * tl.load(u_rows + k0, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
-    return x
-
-
-@triton.jit
-def _skinny_kernel(x_ptr, u_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, nw_ptr, s_ptr, M, N, K, K_SPLIT,
-                   NUM_SPLITS, eps, stride_xm, stride_um, stride_wn, stride_ym,
-                   HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-                   USE_PDL: tl.constexpr, ACT: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-    # Inputs by mode: plain (x), ACT (gate x, up u), NORM (x, residual u, norm weight nw, sum out s).
+def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, K_SPLIT, NUM_SPLITS, stride_xm,
+                   stride_wn, stride_ym, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+                   UPCAST: tl.constexpr, USE_PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -122,7 +84,6 @@ def _skinny_kernel(x_ptr, u_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, nw_pt
     k_end = tl.minimum(k_begin + K_SPLIT, K)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
-    u_rows = u_ptr + offs_m.to(tl.int64)[:, None] * stride_um + offs_k[None, :]  # up, or the residual
 
     # The first weight tile streams in before waiting on the previous kernel (weights are constant);
     # the activations come after the wait.
@@ -132,12 +93,7 @@ def _skinny_kernel(x_ptr, u_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, nw_pt
     else:
         w = tl.load(w_rows + k_begin, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
     wait_for_producer(USE_PDL)
-    rstd = 0.0
-    if NORM:  # every program sums its rows' squares over all of K (from L2); one writes the sum
-        s_rows = s_ptr + offs_m.to(tl.int64)[:, None] * K + offs_k[None, :]
-        rstd = _row_rstd(x_rows, u_rows, s_rows, K, m_ok, offs_k, eps, (pid_n == 0) & (pid_k == 0), HAS_RESIDUAL,
-                         BLOCK_M, BLOCK_K)
-    x = _x_tile(x_rows, u_rows, nw_ptr, rstd, k_begin, offs_k, m_ok, k_ok, ACT, NORM, HAS_RESIDUAL)
+    x = tl.load(x_rows + k_begin, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
     acc = _dot(w, tl.trans(x), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), PREC, UPCAST)
     for k0 in range(k_begin + BLOCK_K, k_end, BLOCK_K):
         k_ok = (k0 + offs_k) < K
@@ -145,7 +101,7 @@ def _skinny_kernel(x_ptr, u_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, nw_pt
             w = tl.load(w_rows + k0)
         else:
             w = tl.load(w_rows + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        x = _x_tile(x_rows, u_rows, nw_ptr, rstd, k0, offs_k, m_ok, k_ok, ACT, NORM, HAS_RESIDUAL)
+        x = tl.load(x_rows + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         acc = _dot(w, tl.trans(x), acc, PREC, UPCAST)
     release_dependents(USE_PDL)
 
@@ -271,34 +227,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     overrides the heuristic launch shape (benchmarks)."""
     _check(x, weight, bias)
     x2 = _rows(x)
-    return _launch(x2, x2, weight, bias, config, _NO_ACT).view(*x.shape[:-1], weight.shape[0])
+    return _launch(x2, weight, bias, config).view(*x.shape[:-1], weight.shape[0])
 
 
-def skinny_act_mul(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                   activation: str = "silu", config: SkinnyConfig | None = None) -> torch.Tensor:
-    """``F.linear(act_and_mul(gate, up), weight, bias)`` in one launch: a gated MLP's down projection with
-    ``act(gate) * up`` built on the fly, rounded as the act-and-mul kernel writes it. gate, up ``[..., K]``
-    (strided views of one packed gate/up output are fine); ``activation`` as in ``gemv_act_mul``."""
-    if gate.shape != up.shape or gate.dtype != up.dtype or gate.device != up.device:
-        raise ValueError(f"gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} must have "
-                         "the same shape, dtype and device")
-    _check(gate, weight, bias)
-    act = _code(activation)
-    return _launch(_rows(gate), _rows(up), weight, bias, config, act).view(*gate.shape[:-1], weight.shape[0])
-
-
-def skinny_rms_norm(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                    residual: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-                    config: SkinnyConfig | None = None):
-    """``F.linear(rms_norm(x + residual), weight, bias)`` in one launch, rounded at rms_norm's steps: the
-    skinny counterpart of ``gemv.gemv_rms_norm`` (same arguments and returns; 5-32 rows)."""
-    _check(x, weight, bias)
-    return with_folded_norm(lambda x2, r2, norm: _launch(x2, r2, weight, bias, config, _NO_ACT, norm=norm),
-                            x, weight.shape[0], norm_weight, eps, residual)
-
-
-def _launch(x2, u2, weight, bias, config, act: int, norm: tuple | None = None) -> torch.Tensor:
-    """``norm``: ``(norm weight, eps, sum output or None)`` for the NORM mode (u2 is the residual)."""
+def _launch(x2, weight, bias, config) -> torch.Tensor:
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
     m, k = x2.shape
@@ -325,15 +257,12 @@ def _launch(x2, u2, weight, bias, config, act: int, norm: tuple | None = None) -
     part = torch.empty(splits, m, n, device=x2.device, dtype=torch.float32) if split_k else y
     use_pdl = pdl_enabled(x2.device)
     extra = {"launch_pdl": True} if use_pdl else {}
-    norm_w, eps, s = norm if norm is not None else (y, 0.0, None)
     _skinny_kernel[grid](
-        x2, u2, weight, bias if bias is not None else y, y, part, counters if split_k else y, norm_w,
-        s if s is not None else y, m, n, k, cfg.k_split, splits, eps, x2.stride(0), u2.stride(0), weight.stride(0),
-        y.stride(0),
+        x2, weight, bias if bias is not None else y, y, part, counters if split_k else y, m, n, k, cfg.k_split,
+        splits, x2.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, SPLIT_K=split_k, EVEN=(n % cfg.block_n == 0 and k % cfg.block_k == 0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        PREC="ieee" if x2.dtype == torch.float32 else "tf32", UPCAST=interpreting(), USE_PDL=use_pdl, ACT=act,
-        NORM=norm is not None, HAS_RESIDUAL=s is not None,
+        PREC="ieee" if x2.dtype == torch.float32 else "tf32", UPCAST=interpreting(), USE_PDL=use_pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra)
     return y
 

@@ -132,32 +132,3 @@ def test_first_call_inside_a_capture(caplog, monkeypatch):
     finally:
         if saved is not None:
             sg._counters[str(x.device)] = saved
-
-
-@pytest.mark.parametrize("n,k", [(1024, 3072), (4096, 12288)])  # the down projections
-@pytest.mark.parametrize("m", [5, 17, 32])
-@pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh"])
-def test_act_mul_is_the_act_kernel_then_the_gemm(n, k, m, activation):
-    from cudaformers.kernels.activation import act_and_mul_forward
-
-    g = torch.Generator(device="cuda").manual_seed(m + n)
-    gate_up = torch.randn(m, 2 * k, device="cuda", generator=g).bfloat16()
-    gate, up = gate_up[:, :k], gate_up[:, k:]
-    w = (torch.randn(n, k, device="cuda", generator=g) / k ** 0.5).bfloat16()
-    got = sg.skinny_act_mul(gate, up, w, None, activation)
-    assert torch.equal(got, skinny_linear(act_and_mul_forward(gate, up, activation), w))
-
-
-@pytest.mark.parametrize("n,k", [(4096, 1024), (6144, 1024)])  # qwen3-0.6b's q/k/v and gate/up
-@pytest.mark.parametrize("m", [5, 17, 32])
-def test_rms_norm_fold_at_full_size(n, k, m):
-    from cudaformers.kernels.gemv import gemv_rms_norm, gemv_rms_norm_reference
-
-    g = torch.Generator(device="cuda").manual_seed(m + n)
-    x, r = (torch.randn(m, k, device="cuda", generator=g).bfloat16() for _ in range(2))
-    nw = (1 + 0.1 * torch.randn(k, device="cuda", generator=g)).bfloat16()
-    w = (torch.randn(n, k, device="cuda", generator=g) / k ** 0.5).bfloat16()
-    got, s = sg.skinny_rms_norm(x, w, nw, 1e-6, r)
-    want, _ = gemv_rms_norm_reference(x, w, nw, 1e-6, r)
-    assert torch.equal(s, gemv_rms_norm(x, w, nw, 1e-6, r)[1])
-    assert (got.float() - want.float()).abs().max() <= 4 * 2.0 ** -7 * want.float().abs().max()
