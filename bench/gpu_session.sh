@@ -57,7 +57,7 @@ for part in "${parts[@]}"; do
                      --variants triton+kernels --check-eager --json "$OUT/results.jsonl" ;;
     decode-profile-32) run decode-profile-32 60 python3 bench/profile_decode.py --attn triton --kernels --batch 32 ;;
     quant) run quant 160 python3 bench/quant.py --shapes qwen3-0.6b,qwen3-8b --json "$OUT/results.jsonl" ;;
-    w2w3) run w2w3 110 python3 bench/generate.py --workloads W2,W3 --variants triton+kernels --hf-cache dynamic \
+    w2w3) run w2w3 240 python3 bench/generate.py --workloads W2,W3 --variants triton+kernels --hf-cache dynamic \
             --json "$OUT/results.jsonl" ;;
     train-ours) run train-ours 50 python3 bench/train.py --skip-hf --kernels on --attn sdpa --json "$OUT/results.jsonl" ;;
     train-profile) run train-profile 60 python3 bench/profile_train.py ;;

@@ -1,6 +1,8 @@
 """use_kernels / KernelConfig on a tiny model: what gets swapped, that results hold, train/eval swaps."""
 
 import os
+import sys
+import types
 
 import torch
 
@@ -76,7 +78,12 @@ def test_bad_mappings_are_clear_errors(monkeypatch):
         KernelConfig({"LayerNorm": "cudaformers:rms_norm"})
     with pytest.raises(UnsupportedError, match="not a bundled kernel for RMSNorm"):
         KernelConfig({"RMSNorm": "cudaformers:rotary"})
-    with pytest.raises(UnsupportedError, match="Hub kernel repo"):
+    # Without the `kernels` package: what a Hub repo needs; with it: the bundled kernel to use instead.
+    monkeypatch.setitem(sys.modules, "kernels", None)
+    with pytest.raises(UnsupportedError, match="Hub kernel repo, which needs the `kernels` package"):
+        KernelConfig({"RMSNorm": "kernels-community/liger-kernels:LigerRMSNorm"})
+    monkeypatch.setitem(sys.modules, "kernels", types.ModuleType("kernels"))
+    with pytest.raises(UnsupportedError, match="Hub kernel repo: cudaformers runs its bundled .* cudaformers:rms_norm"):
         KernelConfig({"RMSNorm": "kernels-community/liger-kernels:LigerRMSNorm"})
     with pytest.raises(UnsupportedError, match="mode 'eval'"):
         KernelConfig({"RMSNorm": {"cuda": {"eval": "cudaformers:rms_norm"}}})

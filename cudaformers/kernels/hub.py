@@ -275,8 +275,8 @@ def _check_name(layer: str, name) -> None:
         except ImportError:
             raise UnsupportedError(f"kernel_mapping[{layer!r}] = {name!r} names a Hub kernel repo, which needs "
                                    "the `kernels` package (pip install kernels) and network access") from None
-        raise UnsupportedError(f"kernel_mapping[{layer!r}] = {name!r}: cudaformers runs its bundled Triton "
-                               f"kernels only; use {', '.join(LAYER_TYPES[layer].kernels)} (same layer, no "
+        raise UnsupportedError(f"kernel_mapping[{layer!r}] = {name!r} names a Hub kernel repo: cudaformers runs "
+                               f"its bundled Triton kernels only; use {', '.join(LAYER_TYPES[layer].kernels)} (same layer, no "
                                "download) or '' for plain PyTorch")
     raise UnsupportedError(f"kernel_mapping[{layer!r}] = {name!r} is neither a bundled kernel "
                            f"({', '.join(LAYER_TYPES[layer].kernels)}) nor a Hub repo 'org/repo:Layer'")
