@@ -343,10 +343,11 @@ def paged_decode(q, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k: int,
     else:  # never touched: the only split writes the output
         part, lse, arrived, split_strides = out, out, seqlens_k, (0,) * 5
     pdl = pdl_enabled(q.device)
-    # With PDL the launch requests its length, block table and (into L2) first K/V tile before waiting
-    # for the previous kernel: qwen3-0.6b decode 1,320 -> 1,363 tok/s on an H200 (RESULTS.md run 11).
+    # With PDL and fewer programs than SMs (decode is latency then), the launch requests its length,
+    # block table and (into L2) first K/V tile before waiting for the previous kernel: qwen3-0.6b at
+    # batch 1 1,320 -> 1,363 tok/s on an H200; at batch 32 (a busy grid) it cost 14% (RESULTS.md run 11).
     # PDL is never on under the interpreter, which has no prefetch instruction.
-    early = pdl
+    early = pdl and num_seqs * num_kv_heads < _sms(q.device)
     _paged_decode_kernel[(num_seqs, num_kv_heads, splits)](
         q, k, v, out, part, lse, arrived, seqlens_k, block_table, block_table.shape[1] * page_size,
         scale * LOG2E, window or 0, tiling.split_above,
