@@ -4,8 +4,9 @@
 
 A variant is an attention backend, optionally with ``+kernels`` (use_kernels=True), ``+cublas``
 (kernels, but matmuls left on cuBLAS instead of the decode GEMV and skinny GEMM), ``+nofold`` (kernels,
-but the decode norms not folded into the GEMVs after them) and ``+nomlp`` (kernels, but the gated MLP's
-activation left out of the down projection's GEMV).
+but the decode norms not folded into the GEMVs after them), ``+nomlp`` (kernels, but the gated MLP's
+activation left out of the down projection's GEMV) and ``+torchinputs`` (the decode step's inputs as
+torch ops and the model's own rotary instead of one launch: ``generation.decode.STEP_INPUTS_KERNEL``).
 """
 
 from __future__ import annotations
@@ -72,10 +73,16 @@ def run_ours(folder, batch, variant, check_eager) -> dict:
         kernel_config=config))
     ids = prompt_ids(batch)
     kw = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
-    model.generate(ids, **kw)
-    runs = sorted((timed(lambda: model.generate(ids, **kw)) for _ in range(REPEATS)), key=lambda r: r[1])
-    out, seconds = runs[len(runs) // 2]
-    eager = model.generate(ids, use_cuda_graph=False, **kw) if check_eager else None
+    from cudaformers.generation import decode
+
+    decode.STEP_INPUTS_KERNEL = "torchinputs" not in flags
+    try:
+        model.generate(ids, **kw)
+        runs = sorted((timed(lambda: model.generate(ids, **kw)) for _ in range(REPEATS)), key=lambda r: r[1])
+        out, seconds = runs[len(runs) // 2]
+        eager = model.generate(ids, use_cuda_graph=False, **kw) if check_eager else None
+    finally:
+        decode.STEP_INPUTS_KERNEL = True
     weight_bytes = sum(p.numel() * p.element_size() for p in set(model.parameters()))
     explain = model.explain()
     del model

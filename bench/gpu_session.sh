@@ -25,7 +25,7 @@ trap save_cache EXIT
 parts=("$@"); [ ${#parts[@]} -eq 0 ] && parts=(generate train engine kernels-tests kernels-bench decode-profile)
 # "verify": the GPU tests of code that has not yet run on a GPU, before any benchmark.
 expanded=(); for p in "${parts[@]}"; do
-  case $p in verify) expanded+=(tests:paged_decode_early tests:skinny_gemm tests:pdl tests:fused_mlp_decode) ;;
+  case $p in verify) expanded+=(tests:step_inputs tests:core) ;;
              *) expanded+=("$p") ;; esac
 done; parts=("${expanded[@]}")
 run() {  # name, seconds (LIMIT_<name> overrides), command...
@@ -98,6 +98,8 @@ for part in "${parts[@]}"; do
            run multi-device-map-swapped 200 env CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=1,0 \
              python3 bench/distributed.py device-map --shape qwen3-0.6b --json "$OUT/multi.jsonl"
            python3 bench/distributed.py report --json "$OUT/multi.jsonl" ;;
+    inputs-ab) run inputs-ab 150 python3 bench/generate.py --skip-hf --workloads W1,W3 --check-eager \
+                 --variants triton+kernels,triton+kernels+torchinputs,triton+kernels --json "$OUT/results.jsonl" ;;
     fold-ab) run fold-ab 200 python3 bench/generate.py --skip-hf --workloads W1,W2,W3 \
                --variants triton+kernels,triton+kernels+nofold --json "$OUT/results.jsonl" ;;
     attention-graph) run attention-graph 200 python3 -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider -n 8 \

@@ -33,6 +33,10 @@ class AttentionBatch:
     # The first ``num_decode_seqs`` sequences have one query each with their context in the cache
     # (the engine orders decodes first), so a backend can run them through its decode kernel.
     num_decode_seqs: int = 0
+    # The rotary (cos, sin) ``[T, rotary dim]`` of the step's positions where the caller has them
+    # already (generate()'s decode step gathers them from a table in its metadata launch); None: the
+    # model computes them from the positions.
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -102,5 +106,5 @@ class AttentionBatch:
             cache[device] = AttentionBatch(
                 move(self.cu_seqlens_q), move(self.cu_seqlens_k), move(self.seqlens_k), self.max_seqlen_q,
                 self.max_seqlen_k, self.kv_cache, move(self.slot_mapping), move(self.block_table), self.has_context,
-                self.num_decode_seqs)
+                self.num_decode_seqs, None if self.rope is None else (move(self.rope[0]), move(self.rope[1])))
         return cache[device]

@@ -8,15 +8,49 @@ it (``loop``), so a token costs one replay.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
 from ..attention.kv_cache import KVCache
 from ..attention.metadata import AttentionBatch
+from ..layers.rotary import RotaryEmbedding
 from .loop import LoopKind, LoopState, advance
 from .prefill import PromptPass
 
 logger = logging.getLogger("cudaformers")
+# The step's inputs in one Triton launch where Triton runs; off, the torch ops and the model's own
+# rotary (bench/generate.py's "+torchinputs" variant, for an A/B of the launch it saves).
+STEP_INPUTS_KERNEL = True
+
+
+def step_inputs_torch(positions: torch.Tensor, block_table: torch.Tensor, block_size: int,
+                      rope_table: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """A decode step's inputs from its positions ``[B]`` (int64): ``(seqlens [B] int32, slots [B] int64,
+    cu_seqlens_k [B+1] int32, (cos, sin) [B, rotary dim] or None)``; ``block_table [B, W]`` int32,
+    ``rope_table`` ``(cos, sin)`` ``[capacity, rotary dim]`` (``kernels/step_inputs.py``'s reference)."""
+    seqlens = (positions + 1).to(torch.int32)
+    rows = torch.arange(positions.numel(), device=positions.device)
+    slots = block_table[rows, positions // block_size].long() * block_size + positions % block_size
+    cu_k = torch.zeros(positions.numel() + 1, dtype=torch.int32, device=positions.device)
+    cu_k[1:] = seqlens.cumsum(0)
+    rope = None if rope_table is None else (rope_table[0][positions], rope_table[1][positions])
+    return seqlens, slots, cu_k, rope
+
+
+def _rope_table(model, capacity: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(cos, sin)`` ``[capacity, rotary dim]`` for every position a decode step can reach, from the
+    model's own rotary module, in the dtype its forward would use; None where the model computes
+    its rotary otherwise (no ``RotaryEmbedding``, a dynamic one that depends on the longest position,
+    an embedding that is not a plain table)."""
+    inner = getattr(model, "model", None)
+    rotary, embed = getattr(inner, "rotary_emb", None), getattr(inner, "embed_tokens", None)
+    if type(rotary) is not RotaryEmbedding or rotary.rope_type == "dynamic" or type(embed) is not torch.nn.Embedding:
+        return None
+    positions = torch.arange(capacity, device=rotary.inv_freq.device)
+    with torch.no_grad():
+        cos, sin = rotary(positions, embed.weight.dtype)
+    return cos.contiguous(), sin.contiguous()
 
 
 class DecodeRunner:
@@ -37,6 +71,7 @@ class DecodeRunner:
         self.tokens = torch.zeros(rows, dtype=torch.long, device=dev)
         self.positions = torch.zeros(rows, dtype=torch.long, device=dev)
         self.cu_q = torch.arange(rows + 1, dtype=torch.int32, device=dev)
+        self.rope_table = _rope_table(model, capacity)
         self.use_cuda_graph = use_cuda_graph
         self.graph = None  # the model step alone, captured at its first use
         self.logits = None
@@ -45,16 +80,17 @@ class DecodeRunner:
         self.prompt = PromptPass(self, use_cuda_graph)  # runner.prompt(rows) -> first logits
 
     def _step(self) -> torch.Tensor:
-        pos = self.positions
-        seqlens = (pos + 1).to(torch.int32)
-        bs = self.block_size
-        rows = torch.arange(self.rows, device=pos.device)
-        slots = self.block_table[rows, pos // bs].long() * bs + pos % bs
-        cu_k = torch.zeros(self.rows + 1, dtype=torch.int32, device=pos.device)
-        cu_k[1:] = seqlens.cumsum(0)
+        # One launch on a GPU (kernels/step_inputs.py): lengths, slots, key offsets, rotary rows.
+        inputs, table = step_inputs_torch, self.rope_table
+        if STEP_INPUTS_KERNEL and (self.positions.device.type == "cuda"
+                                   or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")):
+            from ..kernels.step_inputs import step_inputs as inputs  # Triton is imported only where it runs
+        elif not STEP_INPUTS_KERNEL:
+            table = None  # the step as it was: torch metadata ops, the model's rotary
+        seqlens, slots, cu_k, rope = inputs(self.positions, self.block_table, self.block_size, table)
         batch = AttentionBatch(self.cu_q, cu_k, seqlens, 1, self.capacity, self.cache, slots, self.block_table,
-                               has_context=True)
-        hidden = self.model.model(self.tokens, pos, batch)
+                               has_context=True, rope=rope)
+        hidden = self.model.model(self.tokens, self.positions, batch)
         return self.model.compute_logits(hidden)
 
     def capture(self, body, warmups: int = 2):

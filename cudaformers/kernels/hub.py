@@ -213,8 +213,8 @@ LAYER_TYPES = {t.name: t for t in [
               default_modes=("inference",)),
     LayerType("GatedMLP", _is_gated_mlp,
               {"cudaformers:fused_mlp_decode": _fused_mlp_decode, "cudaformers:gated_mlp_recompute": _gated_mlp_recompute},
-              "inference: decode-sized gated MLPs (<= 32 rows) with act(gate) * up fused into the down "
-              "projection's GEMV (1-4 rows) or skinny GEMM (5-32); training: act(gate) * up recomputed in the backward instead of saved",
+              "inference: act(gate) * up fused into the down projection's GEMV at 1-4 rows; training: "
+              "act(gate) * up recomputed in the backward instead of saved",
               forward_only=("cudaformers:fused_mlp_decode",),
               mode_defaults={"inference": "cudaformers:fused_mlp_decode", "training": "cudaformers:gated_mlp_recompute"}),
     LayerType("DecoderLayer", _is_dense_decoder_layer, {"cudaformers:fused_norm_decode": _fused_norm_decode},

@@ -66,7 +66,7 @@ class LlamaModel(nn.Module):
         """input_ids, positions ``[T]`` (a flat batch described by ``batch``) -> hidden ``[T, H]``."""
         batch.clear_memo()
         hidden = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(positions, hidden.dtype)
+        cos, sin = batch.rope if batch.rope is not None else self.rotary_emb(positions, hidden.dtype)
         residual = None
         for layer in self.layers:
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
