@@ -120,6 +120,12 @@ def _no_gpu_reason() -> str:
     return "no NVIDIA driver is loaded or no GPU is installed"
 
 
+def triton_runs_on(device: str | int | torch.device) -> bool:
+    """Whether Triton kernels run for tensors on ``device``: CUDA, or anywhere under ``TRITON_INTERPRET``
+    (the CPU tests). Reads no Triton, so callers can decide before importing a kernel module."""
+    return torch.device(device).type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def device_capability(device: str | int | torch.device) -> tuple[int, int] | None:
     """(major, minor) compute capability of a GPU; None for cpu and meta."""
     device = resolve_device(device)

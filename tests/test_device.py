@@ -206,3 +206,11 @@ def test_report_without_gpu_says_cpu_only(no_gpu, monkeypatch):
     assert "set to an empty string: no GPU visible, CPU only" in text
     assert "note: CPU only: CUDA_VISIBLE_DEVICES is set to an empty string" in text
     assert "nvidia-smi" not in text  # no device table
+
+
+def test_triton_runs_on_cuda_or_under_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert dev.triton_runs_on("cuda:0") and dev.triton_runs_on(torch.device("cuda")) and not dev.triton_runs_on("cpu")
+    for value, runs in [("1", True), ("true", True), ("0", False), ("", False)]:
+        monkeypatch.setenv("TRITON_INTERPRET", value)
+        assert dev.triton_runs_on("cpu") is runs

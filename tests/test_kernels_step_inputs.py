@@ -1,7 +1,7 @@
 """The decode step's one-launch inputs (kernels/step_inputs.py) against the torch path they replace
 (``generation.decode.step_inputs_torch``), bit for bit, and generate() through them against
-generate() with the model computing its own rotary. Interpreted on the CPU; the CUDA-graph run is
-in tests/gpu/test_core_gpu.py's graph-equals-eager checks."""
+generate() with the model computing its own rotary. Interpreted on the CPU; the GPU and CUDA-graph
+runs are tests/gpu/test_step_inputs_gpu.py and test_core_gpu.py's graph-equals-eager checks."""
 
 import os
 

@@ -8,12 +8,12 @@ it (``loop``), so a token costs one replay.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
 from ..attention.kv_cache import KVCache
 from ..attention.metadata import AttentionBatch
+from ..device import triton_runs_on
 from ..layers.rotary import RotaryEmbedding
 from .loop import LoopKind, LoopState, advance
 from .prefill import PromptPass
@@ -80,13 +80,11 @@ class DecodeRunner:
         self.prompt = PromptPass(self, use_cuda_graph)  # runner.prompt(rows) -> first logits
 
     def _step(self) -> torch.Tensor:
-        # One launch on a GPU (kernels/step_inputs.py): lengths, slots, key offsets, rotary rows.
-        inputs, table = step_inputs_torch, self.rope_table
-        if STEP_INPUTS_KERNEL and (self.positions.device.type == "cuda"
-                                   or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")):
+        # One launch where Triton runs (kernels/step_inputs.py): lengths, slots, key offsets, rotary rows.
+        # Switched off, the torch ops and the model's own rotary, as before the launch existed.
+        inputs, table = step_inputs_torch, self.rope_table if STEP_INPUTS_KERNEL else None
+        if STEP_INPUTS_KERNEL and triton_runs_on(self.positions.device):
             from ..kernels.step_inputs import step_inputs as inputs  # Triton is imported only where it runs
-        elif not STEP_INPUTS_KERNEL:
-            table = None  # the step as it was: torch metadata ops, the model's rotary
         seqlens, slots, cu_k, rope = inputs(self.positions, self.block_table, self.block_size, table)
         batch = AttentionBatch(self.cu_q, cu_k, seqlens, 1, self.capacity, self.cache, slots, self.block_table,
                                has_context=True, rope=rope)

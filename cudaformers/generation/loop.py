@@ -10,12 +10,12 @@ host one graph replay and the GPU no gaps between small launches. The host reads
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from ..device import triton_runs_on
 from .logits import SamplingTensors, sample
 
 SYNC_EVERY = 16
@@ -102,7 +102,7 @@ def advance(logits: torch.Tensor, state: LoopState, generator: torch.Generator |
     Plain greedy decoding takes two Triton launches (``kernels/greedy_advance.py``) where Triton runs
     (CUDA, or the interpreter); everything else, and the CPU, runs ``advance_torch``."""
     # Triton is imported only where it runs; supports() checks the kind and the tensors.
-    if generator is None and (logits.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
+    if generator is None and triton_runs_on(logits.device):
         from ..kernels.greedy_advance import greedy_advance, supports
 
         if supports(logits, state):

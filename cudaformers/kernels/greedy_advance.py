@@ -24,12 +24,12 @@ only activations and loop state, so each waits before its first load.
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from ..device import triton_runs_on
 from .pdl import pdl_enabled, release_dependents, wait_for_producer
 
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -118,9 +118,8 @@ def is_greedy(kind) -> bool:
 
 def supports(logits: torch.Tensor, state) -> bool:
     """Whether ``greedy_advance`` takes these (else: ``greedy_advance_reference``)."""
-    on_triton = logits.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
     flat = (state.tokens, state.finished, state.ends, state.eos)
-    return (on_triton and is_greedy(state.kind) and logits.dim() == 2 and logits.dtype in LOGIT_DTYPES
+    return (triton_runs_on(logits.device) and is_greedy(state.kind) and logits.dim() == 2 and logits.dtype in LOGIT_DTYPES
             and logits.shape[0] == state.out.shape[0] and 0 < logits.shape[1] < 2 ** 31 - 1
             and logits.stride(1) == 1 and state.out.stride(1) == 1
             and all(t.is_contiguous() and t.device == logits.device for t in flat))
