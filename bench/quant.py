@@ -1,13 +1,15 @@
 """Quantized inference and QLoRA on one GPU: kernels, W1/W2 decode per method, and a QLoRA step.
 
-    python bench/quant.py [--parts kernels,tiles,decode,qlora] [--shapes qwen3-0.6b,qwen3-8b]
+    python bench/quant.py [--parts kernels,tiles,mma,decode,qlora] [--shapes qwen3-0.6b,qwen3-8b]
                           [--methods bf16,int8,int4,nf4,fp8,int8_head,int4_head] [--json out.jsonl]
 
 kernels: the quantized matmul of each qwen3-8b decode layer shape (q/k/v and gate/up packed) at
 M = 1 and 16 against the bf16 path of use_kernels (GEMV / skinny GEMM): microseconds per call from
 CUDA-graph replays cycling through weight copies larger than L2, GB/s of weight bytes (packed +
 scales) and their share of the measured copy bandwidth. tiles: the M = 1 quantized GEMV at each
-BLOCK_N (the default marked), to tune ``quant_gemv.gemv_tiles``. decode: W1/W2 (generate, batch 1, 128-token prompt,
+BLOCK_N (the default marked), to tune ``quant_gemv.gemv_tiles``. mma: the tensor-core kernel
+(``quant_mma``) at M = 1 and 16 over its tilings, with and without its PTX unpack, beside the kernel it
+replaces. A method ending in ``_fma`` (decode) runs the FMA GEMV instead of the tensor-core kernel. decode: W1/W2 (generate, batch 1, 128-token prompt,
 256 new tokens, greedy; triton attention and use_kernels=True for every method, bf16 too) per method
 on the same saved random weights, with peak memory. qlora: one NF4 + LoRA (r 16, all linear layers)
 training step on qwen3-8b shapes at batch 1 x 2048 with gradient checkpointing: peak memory (goal <= 12 GiB) and step time. Each case runs in its own
@@ -165,6 +167,55 @@ def bench_gemv_tiles(methods, bw, env, json_path) -> list[dict]:
     return rows
 
 
+MMA_TILES = [(16, 1, 3), (16, 1, 4), (16, 1, 6), (32, 1, 4), (32, 2, 4), (64, 2, 4), (64, 4, 3), (64, 4, 5),
+             (128, 4, 3), (128, 4, 4)]
+
+
+def bench_mma(methods, bw, env, json_path) -> list[dict]:
+    """The tensor-core kernel (``quant_mma``) at each tiling, with and without its PTX unpack, beside the
+    FMA GEMV (M = 1) or the tl.dot GEMM (M = 16) it replaces: us per call and share of copy bandwidth."""
+    from cudaformers.kernels import quant_matmul as qm
+    from cudaformers.kernels.quant_mma import default_tiles, quant_mma
+    from cudaformers.quant.apply import quantize
+
+    rows = []
+    for method in [m for m in methods if m in ("int8", "int4")]:
+        for label, (n, k) in KERNEL_SHAPES.items():
+            holder = torch.nn.Sequential(torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16))
+            torch.nn.init.normal_(holder[0].weight, std=0.02)
+            layer = quantize(holder, method_config(method))[0]
+            nbytes = _layer_bytes(layer)
+            copies = [c.packed() for c in _copies(layer, nbytes)]
+            for m in (1, 16):
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                ref = qm.quant_matmul_reference(x.float(), copies[0]).float()
+                old = qm.USE_MMA
+                qm.USE_MMA = False
+                cases = {"fma" if m == 1 else "dot": lambda c, x=x: qm.quant_matmul_triton(x, c)}
+                # every tiling at M = 1 (decode), the first few at M = 16; the plain-ops unpack at two
+                for i, tiles in enumerate(MMA_TILES if m == 1 else MMA_TILES[:5]):
+                    for asm in (True, False) if i < 2 else (True,):
+                        cases[f"mma{tiles}{'' if asm else '-noasm'}"] = (
+                            lambda c, x=x, t=tiles, a=asm: quant_mma(x, c, tiles=t, use_asm=a))
+                for name, fn in cases.items():
+                    try:
+                        with torch.no_grad():
+                            err = ((fn(copies[0]).float() - ref).norm() / ref.norm()).item()
+                            seconds = graph_us([lambda c=c, fn=fn: fn(c) for c in copies]) / 1e6
+                    except Exception as e:  # noqa: BLE001 - a tiling that does not compile is reported and skipped
+                        print(f"mma {method} {label} m={m} {name}: {type(e).__name__}: {str(e)[:200]}")
+                        continue
+                    rec = dict(part="mma", method=method, layer=label, m=m, kernel=name, us=round(seconds * 1e6, 2),
+                               bw_share=round(nbytes / seconds / bw, 3), rel_err=round(err, 5),
+                               default=name == f"mma{default_tiles(n, x.device)}", **env)
+                    emit(rec, json_path)
+                    rows.append(rec)
+                qm.USE_MMA = old
+            del copies
+            _free()
+    return rows
+
+
 def bench_decode(shape, methods, bw, env, json_path) -> list[dict]:
     from cudaformers import AutoModelForCausalLM
 
@@ -172,11 +223,15 @@ def bench_decode(shape, methods, bw, env, json_path) -> list[dict]:
     ids = torch.randint(1000, 100000, (1, PROMPT), generator=torch.Generator().manual_seed(0)).cuda()
     kw = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
     rows, base = [], None
+    from cudaformers.kernels import quant_matmul as qm
+
     for method in methods:
         try:
             _free()
+            qm.USE_MMA = not method.endswith("_fma")  # "_fma": the FMA GEMV instead of the tensor-core kernel
             model, load_s = timed(lambda: AutoModelForCausalLM.from_pretrained(
-                folder, dtype=torch.bfloat16, device_map="cuda", quantization_config=method_config(method),
+                folder, dtype=torch.bfloat16, device_map="cuda",
+                quantization_config=method_config(method.removesuffix("_fma")),
                 attn_implementation="triton", use_kernels=True))  # every method in its fastest setting
             weights = torch.cuda.memory_allocated()
             model.generate(ids, **kw)
@@ -250,6 +305,7 @@ def main() -> None:
     parts = args.parts.split(",")
     kernels = bench_kernels(methods, bw, env, args.json) if "kernels" in parts else []
     tiles = bench_gemv_tiles(methods, bw, env, args.json) if "tiles" in parts else []
+    mma = bench_mma(methods, bw, env, args.json) if "mma" in parts else []
     decode = [r for s in args.shapes.split(",") for r in bench_decode(s, methods, bw, env, args.json)] \
         if "decode" in parts else []
     qlora = bench_qlora(env, args.json) if "qlora" in parts else []
@@ -267,6 +323,13 @@ def main() -> None:
             dflt = next((r for r in mine if r["default"]), best)
             print(f"{key[0]:7} {key[1]:8} {dflt['us']:>10} {100 * dflt['bw_share']:>5.0f} {best['us']:>8} "
                   f"{100 * best['bw_share']:>5.0f}  ({best['block_n']}, {best['blocks']}, {best['warps']})")
+    if mma:
+        print(f"\n{'method':7} {'layer':8} {'m':>3} {'kernel':28} {'us':>8} {'bw%':>5} {'rel err':>8}")
+        for key in dict.fromkeys((r["method"], r["layer"], r["m"]) for r in mma):
+            mine = sorted((r for r in mma if (r["method"], r["layer"], r["m"]) == key), key=lambda r: r["us"])
+            for r in mine[:4] + [r for r in mine[4:] if r["default"] or r["kernel"] in ("fma", "dot")]:
+                print(f"{key[0]:7} {key[1]:8} {key[2]:>3} {r['kernel'] + (' *' if r['default'] else ''):28} "
+                      f"{r['us']:>8} {100 * r['bw_share']:>5.0f} {r['rel_err']:>8}")
     if decode:
         print(f"\n{'shape':11} {'method':7} {'tok/s':>8} {'x bf16':>7} {'bw%':>5} {'weights GiB':>11} {'peak GiB':>9}")
         for r in decode:

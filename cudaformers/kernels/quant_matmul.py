@@ -36,6 +36,9 @@ FMT_INT8, FMT_INT4, FMT_LUT4 = 0, 1, 2
 _FMT_IDS = {"int8": FMT_INT8, "int4": FMT_INT4, "lut4": FMT_LUT4}
 DQ_BLOCK = 256  # absmax values per second-level scale (double quantization)
 INT8_BLOCK = 64  # int8 packing block (elements): 16 words of 4 codes
+# Up to 16 rows of x, int4 (groups >= 128) and int8 run the tensor-core kernel of quant_mma.py; False
+# keeps them on the FMA GEMV / tl.dot kernels (benchmarks compare the two).
+USE_MMA = True
 
 
 @dataclass
@@ -263,6 +266,11 @@ def quant_matmul_triton(x: torch.Tensor, w: PackedWeight, bias=None) -> torch.Te
     check_packed(w)
     if x.stride(-1) != 1:
         x = x.contiguous()
+    if USE_MMA:
+        from . import quant_mma
+
+        if quant_mma.supports(x, w):
+            return quant_mma.quant_mma(x, w, bias)
     if m == 1:
         from .quant_gemv import quant_gemv
 

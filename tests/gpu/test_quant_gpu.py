@@ -61,6 +61,33 @@ def test_kernels_match_reference_at_model_sizes(nk, m, fmt, dtype):
     assert err <= bound
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("fmt", ["int8", "int4_sym", "int4_asym"])
+@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize("tiles", [(16, 1, 4), (32, 2, 4), (64, 4, 3)], ids=str)
+def test_mma_ptx_unpack_equals_plain_ops(tiles, m, fmt, dtype):
+    """The tensor-core kernel's PTX unpack gives the values the plain ops give: equal outputs, bit for bit."""
+    from cudaformers.kernels.quant_mma import quant_mma
+
+    w = _packed(fmt, torch.randn(6144, 4096, device="cuda") * 0.02)
+    x = torch.randn(m, 4096, device="cuda").to(dtype)
+    out = quant_mma(x, w, tiles=tiles)
+    torch.testing.assert_close(out, quant_mma(x, w, tiles=tiles, use_asm=False), atol=0, rtol=0)
+    err, bound = _bound(out, x, w)
+    assert err <= bound
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4_sym"])
+@pytest.mark.parametrize("m", [1, 16])
+def test_fma_kernels_still_match_with_mma_off(fmt, m, monkeypatch):
+    """USE_MMA = False (the A/B switch) keeps the FMA GEMV / tl.dot kernels, which must stay right."""
+    monkeypatch.setattr(qm, "USE_MMA", False)
+    w = _packed(fmt, torch.randn(4096, 4096, device="cuda") * 0.02)
+    x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+    err, bound = _bound(qm.quant_matmul_triton(x, w), x, w)
+    assert err <= bound
+
+
 @pytest.mark.parametrize("fmt", ["int8", "int4_sym", "nf4"])
 @pytest.mark.parametrize("block_n", [1, 2, 4, 8, 16])
 def test_gemv_every_tiling_at_model_size(fmt, block_n):

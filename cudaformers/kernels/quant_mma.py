@@ -1,0 +1,223 @@
+"""Tensor-core dequantize-matmul for a few rows of x (decode, M <= 16): int4 and int8 weights.
+
+At one token per step a quantized layer is worth its packed bytes, and a 4-bit weight arrives every
+~0.1 ns on an H200: the kernel may spend about one instruction per code. The FMA GEMV
+(``quant_gemv.py``) spends an AND and an FMA per code plus the activation's share, and measured
+30-40% of the bandwidth for int4 (bench/RESULTS.md run 8). Here a code costs ~1.5 instructions and
+the products go to the tensor cores:
+
+* Codes become 16-bit floats two at a time (inline PTX). ``prmt`` puts the same 16 bits of two
+  words side by side in one register; ``lop3`` keeps one code in each half and ORs in the exponent
+  of 2**7 (bf16) or 2**10 (fp16), so each half reads exactly ``2**7 + c`` (``2**10 + c``); one packed
+  ``fma`` takes off that offset plus the zero point. The interpreter, which cannot run PTX, computes
+  the same values with plain Triton ops.
+* With the plane packing (``quant_matmul.py``) plane ``j`` of a block's W words multiplies W
+  *contiguous* activations, so each plane is one ``[BLOCK_N, W] x [W, 16]`` tensor-core product with x
+  read as it lies. x is padded to 16 rows (the smallest dot); the tensor cores have ~50x the
+  throughput decode needs, so the padding costs nothing that shows.
+* int8 codes (-128..127) need 8 significant bits plus sign, which bf16 lacks: the products run in
+  fp16. A bf16 x is first scaled, per row, by the power of two that brings its largest magnitude into
+  [2**13, 2**14): every element within 2**27 of that maximum converts to fp16 exactly (bf16 has 8
+  significant bits, fp16 11), so only terms below 2**-27 of the largest one round.
+
+Per block the partial products are scaled (int4: per group, with ``z * sum(x)`` off for stored zero
+points) and summed in fp32; the output is written once in x's dtype, bias added.
+
+Serves int4 with groups of 128 or more (a plane must be >= 16 codes wide for the dot) and int8, for
+bf16 and fp16 x; everything else (NF4/FP4, small groups, fp32 x) runs the kernels of
+``quant_gemv.py`` / ``quant_matmul.py``. ``supports`` says which.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .pdl import pdl_enabled, release_dependents, wait_for_producer
+from .quant_matmul import FMT_INT4, FMT_INT8, _FMT_IDS, PackedWeight, interpreting, sm_count
+
+MAX_ROWS = 16  # rows of x: one 16-row tensor-core tile
+
+
+def _unpack_asm(bits: int, fp16: bool, zero: int) -> str:
+    """PTX turning two int32 words ($P, $P+1) into their ``32 / bits`` planes, each a register of two
+    16-bit floats ``code - zero`` (int8: the signed code). See the module docstring."""
+    planes = 32 // bits
+    one = 0x3C003C00 if fp16 else 0x3F803F80
+    # The offset the OR put in (2**10 or 2**7) plus the zero point, negated, in both halves. int8 runs
+    # in fp16 only, and its LOP3 also flips the sign bit (byte q reads 1024 + q + 128, zero is 128).
+    off = _f16_bits(-(1024 + zero)) if fp16 else _bf16_bits(-(128 + zero))
+    a, b = f"${planes}", f"${planes + 1}"
+    lines = ["{", ".reg .b32 lo, hi, t, one, off;", f"mov.b32 one, {one:#010x};",
+             f"mov.b32 off, {off * 0x10001:#010x};"]
+    if bits == 4:
+        magic = 0x64006400 if fp16 else 0x43004300
+        lines += [f"prmt.b32 lo, {a}, {b}, 0x5410;", f"prmt.b32 hi, {a}, {b}, 0x7632;"]
+        for j in range(planes):
+            src = "lo" if j < 4 else "hi"
+            shift = 4 * (j % 4)
+            if shift:
+                lines.append(f"shr.u32 t, {src}, {shift};")
+            # (t & 0x000f000f) | magic: LUT 0xEA = (a & b) | c
+            lines.append(f"lop3.b32 t, {'t' if shift else src}, 0x000f000f, {magic:#010x}, 0xea;")
+            lines.append(f"fma.rn.{'f16x2' if fp16 else 'bf16x2'} ${j}, t, one, off;")
+    else:
+        for j in range(planes):
+            # byte j of each word into the low byte of each half; LUT 0x6A = b ? (a ^ c) : c keeps
+            # the low byte with its sign bit flipped (c = 0x80 there) and puts 0x64 above it
+            lines.append(f"prmt.b32 t, {a}, {b}, {((4 + j) << 8) | j:#06x};")
+            lines.append("lop3.b32 t, t, 0x00ff00ff, 0x64806480, 0x6a;")
+            lines.append(f"fma.rn.f16x2 ${j}, t, one, off;")
+    return "\n".join(lines + ["}"])
+
+
+def _f16_bits(v: float) -> int:
+    return int(torch.tensor(v, dtype=torch.float16).view(torch.int16).item()) & 0xFFFF
+
+
+def _bf16_bits(v: float) -> int:
+    return int(torch.tensor(v, dtype=torch.bfloat16).view(torch.int16).item()) & 0xFFFF
+
+
+@triton.jit
+def _unpack(words, DT: tl.constexpr, PLANES: tl.constexpr, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr):
+    """All planes of ``words`` ``[BLOCK_N, W]`` at once, by the PTX of ``_unpack_asm``."""
+    if PLANES == 8:
+        return tl.inline_asm_elementwise(ASM, CONSTRAINTS, [words], dtype=(DT, DT, DT, DT, DT, DT, DT, DT),
+                                         is_pure=True, pack=2)
+    return tl.inline_asm_elementwise(ASM, CONSTRAINTS, [words], dtype=(DT, DT, DT, DT), is_pure=True, pack=2)
+
+
+@triton.jit
+def _plane(words, unpacked, J: tl.constexpr, BITS: tl.constexpr, ZERO: tl.constexpr, DT: tl.constexpr,
+           ASM: tl.constexpr):
+    """Plane J of ``words`` ``[BLOCK_N, W]`` as ``code - ZERO`` in DT (int8: the signed code); with
+    ASM, taken from ``unpacked`` (``_unpack``), else computed with plain ops (the interpreter)."""
+    if ASM != "":
+        return unpacked[J]
+    code = (words >> (J * BITS)) & ((1 << BITS) - 1)
+    if BITS == 8:
+        code = code ^ 128  # two's complement byte -> q + 128
+    return (code.to(tl.float32) - ZERO).to(DT)
+
+
+@triton.jit
+def _row_scales(x_ptr, ld_x, mi, m_ok, K, BLOCK_K: tl.constexpr):
+    """Per row of x ``[16]``: the power of two that brings its largest |value| into [2**13, 2**14)."""
+    amax = tl.zeros([16], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        xt = tl.load(x_ptr + mi[None, :] * ld_x + k[:, None], mask=m_ok[None, :] & (k < K)[:, None], other=0)
+        amax = tl.maximum(amax, tl.max(tl.abs(xt.to(tl.float32)), 0))
+    # amax in [2**(e-127), 2**(e-126)); a subnormal amax (e = 0) is treated as 2**-113 so the scale stays finite.
+    exponent = tl.maximum((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF, 14)
+    scale = ((127 + 140 - exponent) << 23).to(tl.float32, bitcast=True)  # 2**(140 - e)
+    return tl.where(amax > 0, scale, 1.0)
+
+
+@triton.jit
+def _mma_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, n_blocks, ld_x, ld_q,
+                BITS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                HAS_BIAS: tl.constexpr, SCALE_X: tl.constexpr, DT: tl.constexpr, ZERO: tl.constexpr,
+                ASM: tl.constexpr, CONSTRAINTS: tl.constexpr, UPCAST: tl.constexpr, EVEN_K: tl.constexpr,
+                USE_PDL: tl.constexpr):
+    """``out [M, N] = x [M, K] @ W.T (+ b)`` for M <= 16; ``q_ptr`` the packed weight as int32 words."""
+    W: tl.constexpr = BLOCK * BITS // 32
+    PLANES: tl.constexpr = 32 // BITS
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    wi = tl.arange(0, W)
+    mi = tl.arange(0, 16)
+    m_ok = mi < M
+    q_rows = q_ptr + rows.to(tl.int64)[:, None] * tl.multiple_of(ld_q, W) + wi[None, :]
+    x_rows = x_ptr + mi[None, :] * ld_x  # x^T: [1, 16]
+    wait_for_producer(USE_PDL)
+    release_dependents(USE_PDL)
+    if SCALE_X:
+        xscale = _row_scales(x_ptr, ld_x, mi, m_ok, K, 256)
+    acc = tl.zeros([BLOCK_N, 16], tl.float32)
+    for blk in range(0, n_blocks):
+        words = tl.load(q_rows + blk * W, mask=row_ok[:, None], other=0)  # [BLOCK_N, W] int32
+        unpacked = words
+        if ASM != "":
+            unpacked = _unpack(words, DT, PLANES, ASM, CONSTRAINTS)
+        part = tl.zeros([BLOCK_N, 16], tl.float32)
+        xsum = tl.zeros([16], tl.float32)
+        for j in tl.static_range(PLANES):
+            k = blk * BLOCK + j * W + wi
+            if EVEN_K:
+                xt = tl.load(x_rows + k[:, None], mask=m_ok[None, :], other=0)  # [W, 16]
+            else:
+                xt = tl.load(x_rows + k[:, None], mask=m_ok[None, :] & (k < K)[:, None], other=0)
+            if SCALE_X:
+                xt = xt.to(tl.float32) * xscale[None, :]
+            if HAS_ZEROS:
+                xsum += tl.sum(xt.to(tl.float32), 0)
+            a = _plane(words, unpacked, j, BITS, ZERO, DT, ASM)
+            if UPCAST:  # the interpreter's 16-bit tl.dot is wrong; fp32 operands hold the same values
+                part = tl.dot(a.to(tl.float32), xt.to(DT).to(tl.float32), part, input_precision="ieee")
+            else:
+                part = tl.dot(a, xt.to(DT), part)
+        if BITS == 8:
+            acc += part
+        else:
+            s = tl.load(s_ptr + rows * n_blocks + blk, mask=row_ok, other=0).to(tl.float32)
+            if HAS_ZEROS:
+                z = tl.load(z_ptr + rows * n_blocks + blk, mask=row_ok, other=0).to(tl.float32)
+                part -= z[:, None] * xsum[None, :]
+            acc += part * s[:, None]
+    if BITS == 8:
+        acc *= tl.load(s_ptr + rows, mask=row_ok, other=0).to(tl.float32)[:, None]
+    if SCALE_X:
+        acc /= xscale[None, :]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rows, mask=row_ok, other=0).to(tl.float32)[:, None]
+    offs = mi[None, :].to(tl.int64) * N + rows[:, None]
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & m_ok[None, :])
+
+
+def supports(x: torch.Tensor, w: PackedWeight) -> bool:
+    """Whether ``quant_mma`` serves this call: int4 in groups of >= 128 or int8, 1-16 rows of bf16/fp16 x."""
+    if w.fmt not in ("int4", "int8") or x.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    return 1 <= x.shape[0] <= MAX_ROWS and w.block * w.bits // 32 >= 16 and w.scales2 is None
+
+
+def default_tiles(n: int, device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages)."""
+    return 16, 1, 4
+
+
+def quant_mma(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None,
+              tiles: tuple[int, int, int] | None = None, use_asm: bool | None = None) -> torch.Tensor:
+    """``x [M, K]`` (M <= 16) -> ``[M, N]`` in x's dtype, bias added, one launch. ``tiles`` overrides
+    ``default_tiles`` and ``use_asm=False`` the PTX unpack (benchmarks, tests)."""
+    if not supports(x, w):
+        raise ValueError(f"quant_mma: {w.fmt} weights in blocks of {w.block} with {x.shape[0]} rows of {x.dtype} x "
+                         f"are not served here; quant_matmul_triton picks the right kernel")
+    m, k = x.shape
+    n = w.out_features
+    fmt = _FMT_IDS[w.fmt]
+    bits = w.bits
+    fp16 = x.dtype == torch.float16 or fmt == FMT_INT8
+    dt = tl.float16 if fp16 else tl.bfloat16
+    has_zeros = fmt == FMT_INT4 and w.zeros is not None
+    zero = 128 if fmt == FMT_INT8 else (0 if has_zeros else 8)
+    if use_asm is None:
+        use_asm = not interpreting()
+    asm = _unpack_asm(bits, fp16, zero) if use_asm else ""
+    words = w.qweight.view(torch.int32)
+    n_blocks = words.shape[1] * 32 // bits // w.block
+    block_n, warps, stages = tiles or default_tiles(n, x.device)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    pdl = pdl_enabled(x.device)
+    _mma_kernel[(triton.cdiv(n, block_n),)](
+        x, words, w.scales, w.zeros if has_zeros else w.scales, bias if bias is not None else out, out,
+        m, n, k, n_blocks, x.stride(0), words.stride(0),
+        BITS=bits, BLOCK=w.block, BLOCK_N=block_n, HAS_ZEROS=has_zeros, HAS_BIAS=bias is not None,
+        SCALE_X=fmt == FMT_INT8 and x.dtype == torch.bfloat16, DT=dt, ZERO=zero, ASM=asm,
+        CONSTRAINTS="=r," * (32 // bits) + "r,r", UPCAST=interpreting(), EVEN_K=k == n_blocks * w.block, USE_PDL=pdl, num_warps=warps, num_stages=stages, launch_pdl=pdl)
+    return out

@@ -1,0 +1,160 @@
+"""The tensor-core dequantize-matmul (kernels/quant_mma.py) against dequantize-then-matmul.
+
+The Triton kernel runs under the interpreter, which cannot run PTX: there it computes the planes with
+plain ops. The PTX that the GPU runs instead is checked here by executing it, instruction by
+instruction, on random words (``_run_ptx``) and comparing with the same plane formula; the GPU tests
+(tests/gpu/test_quant_gpu.py) then compare the compiled kernel with the reference.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from cudaformers import Int4Config, Int8Config
+from cudaformers.kernels.quant_matmul import dequantize, quant_matmul_reference
+from cudaformers.kernels.quant_mma import _unpack_asm, quant_mma, supports
+from cudaformers.quant.apply import quantize
+
+M32 = 0xFFFFFFFF
+
+
+def _half_value(bits16: int, fp16: bool) -> float:
+    dtype = torch.float16 if fp16 else torch.bfloat16
+    return torch.tensor([bits16], dtype=torch.int32).to(torch.int16).view(dtype).item()
+
+
+def _half_bits(v: float, fp16: bool) -> int:
+    dtype = torch.float16 if fp16 else torch.bfloat16
+    t = torch.tensor([v], dtype=dtype)
+    assert t.item() == v, f"{v} is not exact in {dtype}"  # every value the unpack makes must be exact
+    return t.view(torch.int16).item() & 0xFFFF
+
+
+def _lop3(a: int, b: int, c: int, lut: int) -> int:
+    out = 0
+    for bit in range(32):
+        idx = (((a >> bit) & 1) << 2) | (((b >> bit) & 1) << 1) | ((c >> bit) & 1)
+        out |= ((lut >> idx) & 1) << bit
+    return out
+
+
+def _prmt(a: int, b: int, sel: int) -> int:
+    pool = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
+    return sum(pool[(sel >> (4 * i)) & 7] << (8 * i) for i in range(4))
+
+
+def _run_ptx(asm: str, args: list[int]) -> dict[int, int]:
+    """Execute the subset of PTX the unpack uses; returns the output registers ``$i``."""
+    regs: dict[str, int] = {f"${i}": v & M32 for i, v in enumerate(args)}
+    outs = {}
+
+    def val(tok: str) -> int:
+        tok = tok.strip()
+        return int(tok, 0) & M32 if tok[0].isdigit() else regs[tok]
+
+    for line in asm.splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line in "{}" or line.startswith(".reg"):
+            continue
+        op, rest = line.split(None, 1)
+        ops = [t.strip() for t in rest.split(",")]
+        dst = ops[0]
+        if op == "mov.b32":
+            r = val(ops[1])
+        elif op == "prmt.b32":
+            r = _prmt(val(ops[1]), val(ops[2]), val(ops[3]))
+        elif op == "shr.u32":
+            r = val(ops[1]) >> val(ops[2])
+        elif op == "lop3.b32":
+            r = _lop3(val(ops[1]), val(ops[2]), val(ops[3]), val(ops[4]))
+        elif op in ("fma.rn.bf16x2", "fma.rn.f16x2"):
+            fp16 = op.endswith("f16x2") and "bf16" not in op
+            a, b, c = val(ops[1]), val(ops[2]), val(ops[3])
+            r = 0
+            for half in range(2):
+                def h(x):
+                    return _half_value((x >> (16 * half)) & 0xFFFF, fp16)
+                r |= _half_bits(h(a) * h(b) + h(c), fp16) << (16 * half)
+        else:
+            raise AssertionError(f"unexpected instruction {op}")
+        if re.fullmatch(r"\$\d+", dst):
+            outs[int(dst[1:])] = r
+        regs[dst] = r & M32
+    return outs
+
+
+@pytest.mark.parametrize("bits,fp16,zero", [(4, False, 8), (4, False, 0), (4, True, 8), (4, True, 0), (8, True, 128)])
+def test_unpack_ptx_gives_the_planes(bits, fp16, zero):
+    planes = 32 // bits
+    asm = _unpack_asm(bits, fp16, zero)
+    gen = torch.Generator().manual_seed(bits + zero)
+    for a, b in torch.randint(0, 2 ** 32, (40, 2), generator=gen, dtype=torch.int64).tolist():
+        outs = _run_ptx(asm, [0] * planes + [a, b])  # $0..$planes-1 are outputs, then the two words
+        for j in range(planes):
+            for half, word in enumerate((a, b)):
+                code = (word >> (bits * j)) & ((1 << bits) - 1)
+                if bits == 8:
+                    code ^= 128  # two's complement byte -> q + 128
+                got = _half_value((outs[j] >> (16 * half)) & 0xFFFF, fp16)
+                assert got == code - zero, (j, half, hex(word))
+
+
+def _layer(cfg, n, k, dtype, bias):
+    holder = torch.nn.Sequential(torch.nn.Linear(k, n, bias=bias, dtype=dtype))
+    torch.nn.init.normal_(holder[0].weight, std=0.05)
+    return quantize(holder, cfg)[0]
+
+
+@pytest.mark.parametrize("cfg", [Int4Config(group_size=128), Int4Config(group_size=128, sym=False),
+                                 Int4Config(group_size=256), Int8Config()], ids=["int4", "int4-zeros", "int4-g256", "int8"])
+@pytest.mark.parametrize("n,k,m", [(40, 256, 1), (33, 200, 3), (16, 384, 16), (17, 130, 7)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_quant_mma_matches_dequantize_then_matmul(cfg, n, k, m, dtype):
+    layer = _layer(cfg, n, k, dtype, bias=m % 2 == 1)
+    w = layer.packed()
+    x = torch.randn(m, k, dtype=dtype)
+    assert supports(x, w)
+    expected = quant_matmul_reference(x.double(), _as_double(w), None if layer.bias is None else layer.bias.double())
+    out = quant_mma(x, w, layer.bias)
+    assert out.dtype == dtype and out.shape == (m, n)
+    # the products are exact and summed in fp32: only the output's rounding remains (to nearest on
+    # the GPU; the interpreter truncates to bf16), within one unit in the last place of each element
+    assert (out.double() - expected).abs().le(_ulp(expected, dtype) * 1.01 + 1e-6 * expected.abs().max()).all()
+
+
+def _ulp(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    tiny = torch.finfo(dtype).tiny
+    return torch.finfo(dtype).eps * torch.exp2(torch.floor(torch.log2(v.abs().clamp_min(tiny))))
+
+
+def _as_double(w):
+    from dataclasses import replace
+
+    return replace(w, scales=w.scales.double(), zeros=None if w.zeros is None else w.zeros.double())
+
+
+def test_int8_with_bf16_x_keeps_small_rows_exact():
+    """The per-row power-of-two scale: a row of tiny values and a row of huge ones, both accurate."""
+    layer = _layer(Int8Config(), 24, 128, torch.bfloat16, bias=False)
+    w = layer.packed()
+    x = torch.randn(2, 128, dtype=torch.bfloat16)
+    x[0] *= 1e-30
+    x[1] *= 1e30  # far past fp16's range unscaled
+    expected = x.double() @ dequantize(w, torch.float64).T
+    out = quant_mma(x, w).double()
+    assert torch.isfinite(out).all()
+    assert ((out - expected).norm(dim=1) / expected.norm(dim=1)).max() < 1e-2
+
+
+def test_refuses_what_it_does_not_serve():
+    layer = _layer(Int4Config(group_size=64), 16, 128, torch.bfloat16, bias=False)
+    x = torch.randn(1, 128, dtype=torch.bfloat16)
+    assert not supports(x, layer.packed())  # a 64-code group makes 8-word planes, narrower than a dot
+    with pytest.raises(ValueError, match="not served here"):
+        quant_mma(x, layer.packed())
+    big = _layer(Int4Config(group_size=128), 16, 128, torch.bfloat16, bias=False)
+    assert not supports(torch.randn(17, 128, dtype=torch.bfloat16), big.packed())
+    assert not supports(torch.randn(1, 128), big.packed())
