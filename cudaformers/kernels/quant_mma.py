@@ -80,13 +80,26 @@ def _bf16_bits(v: float) -> int:
     return int(torch.tensor(v, dtype=torch.bfloat16).view(torch.int16).item()) & 0xFFFF
 
 
+# All planes of ``words`` ``[BLOCK_N, W]`` at once, by the PTX of ``_unpack_asm``. One function per
+# output dtype: Triton wants one return type per function, and a tuple of a constexpr dtype does not compile.
 @triton.jit
-def _unpack(words, DT: tl.constexpr, PLANES: tl.constexpr, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr):
-    """All planes of ``words`` ``[BLOCK_N, W]`` at once, by the PTX of ``_unpack_asm``."""
-    if PLANES == 8:
-        return tl.inline_asm_elementwise(ASM, CONSTRAINTS, [words], dtype=(DT, DT, DT, DT, DT, DT, DT, DT),
-                                         is_pure=True, pack=2)
-    return tl.inline_asm_elementwise(ASM, CONSTRAINTS, [words], dtype=(DT, DT, DT, DT), is_pure=True, pack=2)
+def _unpack_int8(words, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr):
+    return tl.inline_asm_elementwise(ASM, CONSTRAINTS, [words], is_pure=True, pack=2,
+                                     dtype=(tl.float16, tl.float16, tl.float16, tl.float16))
+
+
+@triton.jit
+def _unpack_int4_f16(words, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr):
+    return tl.inline_asm_elementwise(ASM, CONSTRAINTS, [words], is_pure=True, pack=2,
+                                     dtype=(tl.float16, tl.float16, tl.float16, tl.float16,
+                                            tl.float16, tl.float16, tl.float16, tl.float16))
+
+
+@triton.jit
+def _unpack_int4_bf16(words, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr):
+    return tl.inline_asm_elementwise(ASM, CONSTRAINTS, [words], is_pure=True, pack=2,
+                                     dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16,
+                                            tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16))
 
 
 @triton.jit
@@ -141,7 +154,12 @@ def _mma_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, n_blocks, l
         words = tl.load(q_rows + blk * W, mask=row_ok[:, None], other=0)  # [BLOCK_N, W] int32
         unpacked = words
         if ASM != "":
-            unpacked = _unpack(words, DT, PLANES, ASM, CONSTRAINTS)
+            if BITS == 8:
+                unpacked = _unpack_int8(words, ASM, CONSTRAINTS)
+            elif DT == tl.float16:
+                unpacked = _unpack_int4_f16(words, ASM, CONSTRAINTS)
+            else:
+                unpacked = _unpack_int4_bf16(words, ASM, CONSTRAINTS)
         part = tl.zeros([BLOCK_N, 16], tl.float32)
         xsum = tl.zeros([16], tl.float32)
         for j in tl.static_range(PLANES):
