@@ -167,13 +167,15 @@ def bench_gemv_tiles(methods, bw, env, json_path) -> list[dict]:
     return rows
 
 
-MMA_TILES = [(16, 1, 3), (16, 1, 4), (16, 1, 6), (32, 1, 4), (32, 2, 4), (64, 2, 4), (64, 4, 3), (64, 4, 5),
-             (128, 4, 3), (128, 4, 4)]
+# (BLOCK_N, GROUPS, num_warps, num_stages)
+MMA_TILES = [(32, 2, 2, 4), (16, 1, 1, 4), (16, 2, 1, 4), (16, 4, 1, 3), (16, 4, 1, 5), (32, 1, 1, 4), (32, 2, 1, 4),
+             (32, 4, 1, 3), (32, 4, 2, 3), (64, 1, 2, 4), (64, 2, 4, 4), (64, 4, 4, 3), (128, 1, 4, 4), (128, 2, 4, 3)]
 
 
 def bench_mma(methods, bw, env, json_path) -> list[dict]:
     """The tensor-core kernel (``quant_mma``) at each tiling, with and without its PTX unpack, beside the
-    FMA GEMV (M = 1) or the tl.dot GEMM (M = 16) it replaces: us per call and share of copy bandwidth."""
+    FMA GEMV (M = 1) or the tl.dot GEMM (M = 16) it replaces: us per call and share of copy bandwidth.
+    x is bf16 (int8: fp16, the only x it serves)."""
     from cudaformers.kernels import quant_matmul as qm
     from cudaformers.kernels.quant_mma import default_tiles, quant_mma
     from cudaformers.quant.apply import quantize
@@ -187,7 +189,8 @@ def bench_mma(methods, bw, env, json_path) -> list[dict]:
             nbytes = _layer_bytes(layer)
             copies = [c.packed() for c in _copies(layer, nbytes)]
             for m in (1, 16):
-                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                # int8 runs on tensor cores for fp16 x only
+                x = torch.randn(m, k, device="cuda", dtype=torch.float16 if method == "int8" else torch.bfloat16)
                 ref = qm.quant_matmul_reference(x.float(), copies[0]).float()
                 old = qm.USE_MMA
                 qm.USE_MMA = False

@@ -15,16 +15,15 @@ the products go to the tensor cores:
   *contiguous* activations, so each plane is one ``[BLOCK_N, W] x [W, 16]`` tensor-core product with x
   read as it lies. x is padded to 16 rows (the smallest dot); the tensor cores have ~50x the
   throughput decode needs, so the padding costs nothing that shows.
-* int8 codes (-128..127) need 8 significant bits plus sign, which bf16 lacks: the products run in
-  fp16. A bf16 x is first scaled, per row, by the power of two that brings its largest magnitude into
-  [2**13, 2**14): every element within 2**27 of that maximum converts to fp16 exactly (bf16 has 8
-  significant bits, fp16 11), so only terms below 2**-27 of the largest one round.
+* int8 codes (-128..127) need 8 significant bits plus sign, which bf16 lacks: int8 is served for fp16
+  x only. (Rescaling a bf16 x per row into fp16 inside the kernel measured 3-10x slower than the FMA
+  GEMV: the scaled x no longer streams straight into shared memory.)
 
 Per block the partial products are scaled (int4: per group, with ``z * sum(x)`` off for stored zero
 points) and summed in fp32; the output is written once in x's dtype, bias added.
 
-Serves int4 with groups of 128 or more (a plane must be >= 16 codes wide for the dot) and int8, for
-bf16 and fp16 x; everything else (NF4/FP4, small groups, fp32 x) runs the kernels of
+Serves int4 with groups of 128 or more (a plane must be >= 16 codes wide for the dot) for bf16 and
+fp16 x, and int8 for fp16 x; everything else (NF4/FP4, small groups, fp32 x) runs the kernels of
 ``quant_gemv.py`` / ``quant_matmul.py``. ``supports`` says which.
 """
 
@@ -35,7 +34,7 @@ import triton
 import triton.language as tl
 
 from .pdl import pdl_enabled, release_dependents, wait_for_producer
-from .quant_matmul import FMT_INT4, FMT_INT8, _FMT_IDS, PackedWeight, interpreting, sm_count
+from .quant_matmul import FMT_INT4, FMT_INT8, _FMT_IDS, PackedWeight, interpreting
 
 MAX_ROWS = 16  # rows of x: one 16-row tensor-core tile
 
@@ -116,79 +115,76 @@ def _plane(words, unpacked, J: tl.constexpr, BITS: tl.constexpr, ZERO: tl.conste
 
 
 @triton.jit
-def _row_scales(x_ptr, ld_x, mi, m_ok, K, BLOCK_K: tl.constexpr):
-    """Per row of x ``[16]``: the power of two that brings its largest |value| into [2**13, 2**14)."""
-    amax = tl.zeros([16], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        xt = tl.load(x_ptr + mi[None, :] * ld_x + k[:, None], mask=m_ok[None, :] & (k < K)[:, None], other=0)
-        amax = tl.maximum(amax, tl.max(tl.abs(xt.to(tl.float32)), 0))
-    # amax in [2**(e-127), 2**(e-126)); a subnormal amax (e = 0) is treated as 2**-113 so the scale stays finite.
-    exponent = tl.maximum((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF, 14)
-    scale = ((127 + 140 - exponent) << 23).to(tl.float32, bitcast=True)  # 2**(140 - e)
-    return tl.where(amax > 0, scale, 1.0)
+def _block_product(x_rows, q_rows, s_ptr, z_ptr, rows, row_ok, m_ok, blk, K, n_blocks, BITS: tl.constexpr,
+                   BLOCK: tl.constexpr, W: tl.constexpr, HAS_ZEROS: tl.constexpr, DT: tl.constexpr,
+                   ZERO: tl.constexpr, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr, UPCAST: tl.constexpr,
+                   EVEN_K: tl.constexpr):
+    """Block ``blk``'s share of ``W @ x^T`` ``[BLOCK_N, 16]`` in fp32: int4 scaled (and zero-corrected),
+    int8 unscaled (its scale is per row, applied once at the end)."""
+    PLANES: tl.constexpr = 32 // BITS
+    wi = tl.arange(0, W)
+    if not EVEN_K:  # past the last block (the step's blocks overhang): nothing loaded, nothing added
+        row_ok = row_ok & (rows * 0 + blk < n_blocks)
+    words = tl.load(q_rows + blk * W, mask=row_ok[:, None], other=0)  # [BLOCK_N, W] int32
+    unpacked = words
+    if ASM != "":
+        if BITS == 8:
+            unpacked = _unpack_int8(words, ASM, CONSTRAINTS)
+        elif DT == tl.float16:
+            unpacked = _unpack_int4_f16(words, ASM, CONSTRAINTS)
+        else:
+            unpacked = _unpack_int4_bf16(words, ASM, CONSTRAINTS)
+    part = tl.zeros([rows.shape[0], 16], tl.float32)
+    xsum = tl.zeros([16], tl.float32)
+    for j in tl.static_range(PLANES):
+        k = blk * BLOCK + j * W + wi
+        if EVEN_K:
+            xt = tl.load(x_rows + k[:, None], mask=m_ok[None, :], other=0)  # x^T [W, 16]
+        else:
+            xt = tl.load(x_rows + k[:, None], mask=m_ok[None, :] & (k < K)[:, None], other=0)
+        if HAS_ZEROS:
+            xsum += tl.sum(xt.to(tl.float32), 0)
+        a = _plane(words, unpacked, j, BITS, ZERO, DT, ASM)
+        if UPCAST:  # the interpreter's 16-bit tl.dot is wrong; fp32 operands hold the same values
+            part = tl.dot(a.to(tl.float32), xt.to(tl.float32), part, input_precision="ieee")
+        else:
+            part = tl.dot(a, xt, part)
+    if BITS == 8:
+        return part
+    s = tl.load(s_ptr + rows * n_blocks + blk, mask=row_ok, other=0).to(tl.float32)
+    if HAS_ZEROS:
+        z = tl.load(z_ptr + rows * n_blocks + blk, mask=row_ok, other=0).to(tl.float32)
+        part -= z[:, None] * xsum[None, :]
+    return part * s[:, None]
 
 
 @triton.jit
 def _mma_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, n_blocks, ld_x, ld_q,
-                BITS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, HAS_ZEROS: tl.constexpr,
-                HAS_BIAS: tl.constexpr, SCALE_X: tl.constexpr, DT: tl.constexpr, ZERO: tl.constexpr,
+                BITS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
+                HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, DT: tl.constexpr, ZERO: tl.constexpr,
                 ASM: tl.constexpr, CONSTRAINTS: tl.constexpr, UPCAST: tl.constexpr, EVEN_K: tl.constexpr,
                 USE_PDL: tl.constexpr):
-    """``out [M, N] = x [M, K] @ W.T (+ b)`` for M <= 16; ``q_ptr`` the packed weight as int32 words."""
+    """``out [M, N] = x [M, K] @ W.T (+ b)`` for M <= 16; ``q_ptr`` the packed weight as int32 words.
+
+    Each step works on GROUPS blocks, each loaded on its own: the software pipeline keeps
+    ``(num_stages - 1) * GROUPS`` of them in flight, which is what the bandwidth needs when a layer
+    has few rows (few programs) and long ones."""
     W: tl.constexpr = BLOCK * BITS // 32
-    PLANES: tl.constexpr = 32 // BITS
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
-    wi = tl.arange(0, W)
     mi = tl.arange(0, 16)
     m_ok = mi < M
-    q_rows = q_ptr + rows.to(tl.int64)[:, None] * tl.multiple_of(ld_q, W) + wi[None, :]
+    q_rows = q_ptr + rows.to(tl.int64)[:, None] * tl.multiple_of(ld_q, W) + tl.arange(0, W)[None, :]
     x_rows = x_ptr + mi[None, :] * ld_x  # x^T: [1, 16]
     wait_for_producer(USE_PDL)
     release_dependents(USE_PDL)
-    if SCALE_X:
-        xscale = _row_scales(x_ptr, ld_x, mi, m_ok, K, 256)
     acc = tl.zeros([BLOCK_N, 16], tl.float32)
-    for blk in range(0, n_blocks):
-        words = tl.load(q_rows + blk * W, mask=row_ok[:, None], other=0)  # [BLOCK_N, W] int32
-        unpacked = words
-        if ASM != "":
-            if BITS == 8:
-                unpacked = _unpack_int8(words, ASM, CONSTRAINTS)
-            elif DT == tl.float16:
-                unpacked = _unpack_int4_f16(words, ASM, CONSTRAINTS)
-            else:
-                unpacked = _unpack_int4_bf16(words, ASM, CONSTRAINTS)
-        part = tl.zeros([BLOCK_N, 16], tl.float32)
-        xsum = tl.zeros([16], tl.float32)
-        for j in tl.static_range(PLANES):
-            k = blk * BLOCK + j * W + wi
-            if EVEN_K:
-                xt = tl.load(x_rows + k[:, None], mask=m_ok[None, :], other=0)  # [W, 16]
-            else:
-                xt = tl.load(x_rows + k[:, None], mask=m_ok[None, :] & (k < K)[:, None], other=0)
-            if SCALE_X:
-                xt = xt.to(tl.float32) * xscale[None, :]
-            if HAS_ZEROS:
-                xsum += tl.sum(xt.to(tl.float32), 0)
-            a = _plane(words, unpacked, j, BITS, ZERO, DT, ASM)
-            if UPCAST:  # the interpreter's 16-bit tl.dot is wrong; fp32 operands hold the same values
-                part = tl.dot(a.to(tl.float32), xt.to(DT).to(tl.float32), part, input_precision="ieee")
-            else:
-                part = tl.dot(a, xt.to(DT), part)
-        if BITS == 8:
-            acc += part
-        else:
-            s = tl.load(s_ptr + rows * n_blocks + blk, mask=row_ok, other=0).to(tl.float32)
-            if HAS_ZEROS:
-                z = tl.load(z_ptr + rows * n_blocks + blk, mask=row_ok, other=0).to(tl.float32)
-                part -= z[:, None] * xsum[None, :]
-            acc += part * s[:, None]
+    for b0 in range(0, n_blocks, GROUPS):
+        for g in tl.static_range(GROUPS):
+            acc += _block_product(x_rows, q_rows, s_ptr, z_ptr, rows, row_ok, m_ok, b0 + g, K, n_blocks, BITS,
+                                  BLOCK, W, HAS_ZEROS, DT, ZERO, ASM, CONSTRAINTS, UPCAST, EVEN_K)
     if BITS == 8:
         acc *= tl.load(s_ptr + rows, mask=row_ok, other=0).to(tl.float32)[:, None]
-    if SCALE_X:
-        acc /= xscale[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + rows, mask=row_ok, other=0).to(tl.float32)[:, None]
     offs = mi[None, :].to(tl.int64) * N + rows[:, None]
@@ -196,15 +192,16 @@ def _mma_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, n_blocks, l
 
 
 def supports(x: torch.Tensor, w: PackedWeight) -> bool:
-    """Whether ``quant_mma`` serves this call: int4 in groups of >= 128 or int8, 1-16 rows of bf16/fp16 x."""
-    if w.fmt not in ("int4", "int8") or x.dtype not in (torch.bfloat16, torch.float16):
+    """Whether ``quant_mma`` serves this call: 1-16 rows of x, int4 in groups of >= 128 with bf16 or
+    fp16 x, int8 with fp16 x."""
+    if x.dtype != torch.float16 and not (w.fmt == "int4" and x.dtype == torch.bfloat16):
         return False
     return 1 <= x.shape[0] <= MAX_ROWS and w.block * w.bits // 32 >= 16 and w.scales2 is None
 
 
-def default_tiles(n: int, device: torch.device) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages)."""
-    return 16, 1, 4
+def default_tiles(n: int, device: torch.device) -> tuple[int, int, int, int]:
+    """(BLOCK_N, GROUPS, num_warps, num_stages)."""
+    return 32, 2, 2, 4
 
 
 def quant_mma(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None,
@@ -218,7 +215,7 @@ def quant_mma(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None
     n = w.out_features
     fmt = _FMT_IDS[w.fmt]
     bits = w.bits
-    fp16 = x.dtype == torch.float16 or fmt == FMT_INT8
+    fp16 = x.dtype == torch.float16
     dt = tl.float16 if fp16 else tl.bfloat16
     has_zeros = fmt == FMT_INT4 and w.zeros is not None
     zero = 128 if fmt == FMT_INT8 else (0 if has_zeros else 8)
@@ -227,7 +224,7 @@ def quant_mma(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None
     asm = _unpack_asm(bits, fp16, zero) if use_asm else ""
     words = w.qweight.view(torch.int32)
     n_blocks = words.shape[1] * 32 // bits // w.block
-    block_n, warps, stages = tiles or default_tiles(n, x.device)
+    block_n, groups, warps, stages = tiles or default_tiles(n, x.device)
     if x.stride(-1) != 1:
         x = x.contiguous()
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
@@ -235,7 +232,7 @@ def quant_mma(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None
     _mma_kernel[(triton.cdiv(n, block_n),)](
         x, words, w.scales, w.zeros if has_zeros else w.scales, bias if bias is not None else out, out,
         m, n, k, n_blocks, x.stride(0), words.stride(0),
-        BITS=bits, BLOCK=w.block, BLOCK_N=block_n, HAS_ZEROS=has_zeros, HAS_BIAS=bias is not None,
-        SCALE_X=fmt == FMT_INT8 and x.dtype == torch.bfloat16, DT=dt, ZERO=zero, ASM=asm,
-        CONSTRAINTS="=r," * (32 // bits) + "r,r", UPCAST=interpreting(), EVEN_K=k == n_blocks * w.block, USE_PDL=pdl, num_warps=warps, num_stages=stages, launch_pdl=pdl)
+        BITS=bits, BLOCK=w.block, BLOCK_N=block_n, GROUPS=groups, HAS_ZEROS=has_zeros, HAS_BIAS=bias is not None,
+        DT=dt, ZERO=zero, ASM=asm, CONSTRAINTS="=r," * (32 // bits) + "r,r", UPCAST=interpreting(),
+        EVEN_K=k == n_blocks * w.block and n_blocks % groups == 0, USE_PDL=pdl, num_warps=warps, num_stages=stages, launch_pdl=pdl)
     return out
