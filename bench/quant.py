@@ -167,9 +167,10 @@ def bench_gemv_tiles(methods, bw, env, json_path) -> list[dict]:
     return rows
 
 
-# (BLOCK_N, GROUPS, num_warps, num_stages)
-MMA_TILES = [(32, 2, 2, 4), (16, 1, 1, 4), (16, 2, 1, 4), (16, 4, 1, 3), (16, 4, 1, 5), (32, 1, 1, 4), (32, 2, 1, 4),
-             (32, 4, 1, 3), (32, 4, 2, 3), (64, 1, 2, 4), (64, 2, 4, 4), (64, 4, 4, 3), (128, 1, 4, 4), (128, 2, 4, 3)]
+# (BLOCK_N, GROUPS, SPLIT, num_warps, num_stages); None: the default for the layer
+MMA_TILES = [None, (32, 2, 1, 2, 4), (32, 2, 2, 2, 4), (32, 2, 4, 2, 4), (32, 2, 8, 2, 4), (32, 4, 1, 2, 3),
+             (32, 4, 2, 2, 3), (32, 4, 4, 2, 3), (16, 4, 2, 1, 3), (16, 4, 4, 1, 3), (64, 2, 1, 4, 4), (64, 2, 2, 4, 4),
+             (64, 2, 4, 4, 4), (32, 2, 16, 2, 4)]
 
 
 def bench_mma(methods, bw, env, json_path) -> list[dict]:
@@ -188,6 +189,7 @@ def bench_mma(methods, bw, env, json_path) -> list[dict]:
             layer = quantize(holder, method_config(method))[0]
             nbytes = _layer_bytes(layer)
             copies = [c.packed() for c in _copies(layer, nbytes)]
+            n_blocks = copies[0].qweight.shape[1] * 8 // copies[0].bits // copies[0].block
             for m in (1, 16):
                 # int8 runs on tensor cores for fp16 x only
                 x = torch.randn(m, k, device="cuda", dtype=torch.float16 if method == "int8" else torch.bfloat16)
@@ -198,7 +200,7 @@ def bench_mma(methods, bw, env, json_path) -> list[dict]:
                 # every tiling at M = 1 (decode), the first few at M = 16; the plain-ops unpack at two
                 for i, tiles in enumerate(MMA_TILES if m == 1 else MMA_TILES[:5]):
                     for asm in (True, False) if i < 2 else (True,):
-                        cases[f"mma{tiles}{'' if asm else '-noasm'}"] = (
+                        cases[f"mma{tiles or default_tiles(n, n_blocks, x.device)}{'' if asm else '-noasm'}"] = (
                             lambda c, x=x, t=tiles, a=asm: quant_mma(x, c, tiles=t, use_asm=a))
                 for name, fn in cases.items():
                     try:
@@ -210,7 +212,7 @@ def bench_mma(methods, bw, env, json_path) -> list[dict]:
                         continue
                     rec = dict(part="mma", method=method, layer=label, m=m, kernel=name, us=round(seconds * 1e6, 2),
                                bw_share=round(nbytes / seconds / bw, 3), rel_err=round(err, 5),
-                               default=name == f"mma{default_tiles(n, x.device)}", **env)
+                               default=name == f"mma{default_tiles(n, n_blocks, x.device)}", **env)
                     emit(rec, json_path)
                     rows.append(rec)
                 qm.USE_MMA = old

@@ -155,12 +155,16 @@ def test_refuses_what_it_does_not_serve():
     assert supports(x.half(), int8.packed())
 
 
-@pytest.mark.parametrize("groups", [1, 2, 3])
-def test_blocks_per_step_any_count(groups):
-    """Several blocks per step, including a count that does not divide the blocks (5 of 128 codes)."""
-    layer = _layer(Int4Config(group_size=128), 20, 600, torch.float16, bias=False)
+@pytest.mark.parametrize("groups,split", [(1, 1), (2, 1), (3, 1), (1, 2), (2, 2), (1, 3), (1, 5), (2, 4)])
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_blocks_per_step_and_splits_any_count(groups, split, fmt):
+    """Several blocks per step and the blocks split over programs, including counts that do not divide
+    the blocks (5 of 128 codes; int8: 10 of 64), then a second call (the arrival counters reset)."""
+    cfg = Int4Config(group_size=128) if fmt == "int4" else Int8Config()
+    layer = _layer(cfg, 40, 600, torch.float16, bias=True)
     w = layer.packed()
-    x = torch.randn(2, 600, dtype=torch.float16)
-    expected = quant_matmul_reference(x.double(), _as_double(w))
-    out = quant_mma(x, w, tiles=(16, groups, 1, 2))
-    assert (out.double() - expected).abs().le(_ulp(expected, torch.float16) * 1.01 + 1e-6).all()
+    for seed in range(2):
+        x = torch.randn(3, 600, dtype=torch.float16, generator=torch.Generator().manual_seed(seed))
+        expected = quant_matmul_reference(x.double(), _as_double(w), layer.bias.double())
+        out = quant_mma(x, w, layer.bias, tiles=(16, groups, split, 1, 2))
+        assert (out.double() - expected).abs().le(_ulp(expected, torch.float16) * 1.01 + 1e-6).all()

@@ -34,7 +34,8 @@ import triton
 import triton.language as tl
 
 from .pdl import pdl_enabled, release_dependents, wait_for_producer
-from .quant_matmul import FMT_INT4, FMT_INT8, _FMT_IDS, PackedWeight, interpreting
+from .paged_decode import _arrival_counters
+from .quant_matmul import FMT_INT4, FMT_INT8, _FMT_IDS, PackedWeight, interpreting, sm_count
 
 MAX_ROWS = 16  # rows of x: one 16-row tensor-core tile
 
@@ -115,7 +116,7 @@ def _plane(words, unpacked, J: tl.constexpr, BITS: tl.constexpr, ZERO: tl.conste
 
 
 @triton.jit
-def _block_product(x_rows, q_rows, s_ptr, z_ptr, rows, row_ok, m_ok, blk, K, n_blocks, BITS: tl.constexpr,
+def _block_product(x_rows, q_rows, s_ptr, z_ptr, rows, row_ok, m_ok, blk, end, K, n_blocks, BITS: tl.constexpr,
                    BLOCK: tl.constexpr, W: tl.constexpr, HAS_ZEROS: tl.constexpr, DT: tl.constexpr,
                    ZERO: tl.constexpr, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr, UPCAST: tl.constexpr,
                    EVEN_K: tl.constexpr):
@@ -123,8 +124,8 @@ def _block_product(x_rows, q_rows, s_ptr, z_ptr, rows, row_ok, m_ok, blk, K, n_b
     int8 unscaled (its scale is per row, applied once at the end)."""
     PLANES: tl.constexpr = 32 // BITS
     wi = tl.arange(0, W)
-    if not EVEN_K:  # past the last block (the step's blocks overhang): nothing loaded, nothing added
-        row_ok = row_ok & (rows * 0 + blk < n_blocks)
+    if not EVEN_K:  # past the program's last block (the step's blocks overhang): nothing loaded or added
+        row_ok = row_ok & (rows * 0 + blk < end)
     words = tl.load(q_rows + blk * W, mask=row_ok[:, None], other=0)  # [BLOCK_N, W] int32
     unpacked = words
     if ASM != "":
@@ -159,36 +160,54 @@ def _block_product(x_rows, q_rows, s_ptr, z_ptr, rows, row_ok, m_ok, blk, K, n_b
 
 
 @triton.jit
-def _mma_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, n_blocks, ld_x, ld_q,
-                BITS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
-                HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, DT: tl.constexpr, ZERO: tl.constexpr,
-                ASM: tl.constexpr, CONSTRAINTS: tl.constexpr, UPCAST: tl.constexpr, EVEN_K: tl.constexpr,
-                USE_PDL: tl.constexpr):
+def _mma_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, arrived_ptr, M, N, K, n_blocks, per_split,
+                ld_x, ld_q, BITS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
+                SPLIT: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, DT: tl.constexpr,
+                ZERO: tl.constexpr, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr, UPCAST: tl.constexpr,
+                EVEN_K: tl.constexpr, USE_PDL: tl.constexpr):
     """``out [M, N] = x [M, K] @ W.T (+ b)`` for M <= 16; ``q_ptr`` the packed weight as int32 words.
 
     Each step works on GROUPS blocks, each loaded on its own: the software pipeline keeps
-    ``(num_stages - 1) * GROUPS`` of them in flight, which is what the bandwidth needs when a layer
-    has few rows (few programs) and long ones."""
+    ``(num_stages - 1) * GROUPS`` of them in flight. A layer with few rows for its length (o and down
+    projections) also splits its blocks over SPLIT programs per row tile: each writes its fp32 partial
+    ``part_ptr [SPLIT, M, N]``, counts its arrival, and the last to arrive sums the partials in split
+    order (deterministic), writes the output and resets the counter, all in this launch."""
     W: tl.constexpr = BLOCK * BITS // 32
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tile = tl.program_id(0)
+    rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     mi = tl.arange(0, 16)
     m_ok = mi < M
     q_rows = q_ptr + rows.to(tl.int64)[:, None] * tl.multiple_of(ld_q, W) + tl.arange(0, W)[None, :]
     x_rows = x_ptr + mi[None, :] * ld_x  # x^T: [1, 16]
+    start = tl.program_id(1) * per_split
+    end = tl.minimum(start + per_split, n_blocks)
     wait_for_producer(USE_PDL)
     release_dependents(USE_PDL)
     acc = tl.zeros([BLOCK_N, 16], tl.float32)
-    for b0 in range(0, n_blocks, GROUPS):
+    for b0 in range(start, end, GROUPS):
         for g in tl.static_range(GROUPS):
-            acc += _block_product(x_rows, q_rows, s_ptr, z_ptr, rows, row_ok, m_ok, b0 + g, K, n_blocks, BITS,
+            acc += _block_product(x_rows, q_rows, s_ptr, z_ptr, rows, row_ok, m_ok, b0 + g, end, K, n_blocks, BITS,
                                   BLOCK, W, HAS_ZEROS, DT, ZERO, ASM, CONSTRAINTS, UPCAST, EVEN_K)
+    offs = mi[None, :].to(tl.int64) * N + rows[:, None]
+    mask = row_ok[:, None] & m_ok[None, :]
+    if SPLIT > 1:
+        tl.store(part_ptr + tl.program_id(1) * M * N + offs, acc, mask=mask)
+        # The partial is stored before the arrival is counted (barrier, then a release at GPU scope);
+        # the last arrival acquires every partial before reading them.
+        tl.debug_barrier()
+        counter = arrived_ptr + tile
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") != SPLIT - 1:
+            return
+        acc = tl.zeros([BLOCK_N, 16], tl.float32)
+        for split in range(SPLIT):  # .cg: written by other programs, maybe on other SMs
+            acc += tl.load(part_ptr + split * M * N + offs, mask=mask, other=0, cache_modifier=".cg")
+        tl.store(counter, 0)  # ready for the next launch, which stream order puts after this one
     if BITS == 8:
         acc *= tl.load(s_ptr + rows, mask=row_ok, other=0).to(tl.float32)[:, None]
     if HAS_BIAS:
         acc += tl.load(b_ptr + rows, mask=row_ok, other=0).to(tl.float32)[:, None]
-    offs = mi[None, :].to(tl.int64) * N + rows[:, None]
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & m_ok[None, :])
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def supports(x: torch.Tensor, w: PackedWeight) -> bool:
@@ -199,13 +218,18 @@ def supports(x: torch.Tensor, w: PackedWeight) -> bool:
     return 1 <= x.shape[0] <= MAX_ROWS and w.block * w.bits // 32 >= 16 and w.scales2 is None
 
 
-def default_tiles(n: int, device: torch.device) -> tuple[int, int, int, int]:
-    """(BLOCK_N, GROUPS, num_warps, num_stages)."""
-    return 32, 2, 2, 4
+def default_tiles(n: int, n_blocks: int, device: torch.device) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, GROUPS, SPLIT, num_warps, num_stages)."""
+    block_n, groups = 32, 2
+    tiles = triton.cdiv(n, block_n)
+    split = 1
+    while tiles * split < 4 * sm_count(device) and n_blocks // (2 * split) >= 2 * groups:
+        split *= 2
+    return block_n, groups, split, 2, 4
 
 
 def quant_mma(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None,
-              tiles: tuple[int, int, int] | None = None, use_asm: bool | None = None) -> torch.Tensor:
+              tiles: tuple[int, int, int, int, int] | None = None, use_asm: bool | None = None) -> torch.Tensor:
     """``x [M, K]`` (M <= 16) -> ``[M, N]`` in x's dtype, bias added, one launch. ``tiles`` overrides
     ``default_tiles`` and ``use_asm=False`` the PTX unpack (benchmarks, tests)."""
     if not supports(x, w):
@@ -216,7 +240,6 @@ def quant_mma(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None
     fmt = _FMT_IDS[w.fmt]
     bits = w.bits
     fp16 = x.dtype == torch.float16
-    dt = tl.float16 if fp16 else tl.bfloat16
     has_zeros = fmt == FMT_INT4 and w.zeros is not None
     zero = 128 if fmt == FMT_INT8 else (0 if has_zeros else 8)
     if use_asm is None:
@@ -224,15 +247,25 @@ def quant_mma(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None
     asm = _unpack_asm(bits, fp16, zero) if use_asm else ""
     words = w.qweight.view(torch.int32)
     n_blocks = words.shape[1] * 32 // bits // w.block
-    block_n, groups, warps, stages = tiles or default_tiles(n, x.device)
+    block_n, groups, split, warps, stages = tiles or default_tiles(n, n_blocks, x.device)
+    # Each split gets whole steps of GROUPS blocks; a split left without blocks is dropped.
+    per_split = triton.cdiv(triton.cdiv(n_blocks, split), groups) * groups
+    split = triton.cdiv(n_blocks, per_split)
+    n_tiles = triton.cdiv(n, block_n)
+    arrived = _arrival_counters(x.device, n_tiles) if split > 1 else None
+    if split > 1 and arrived is None:  # inside a CUDA-graph capture that would have to make the counters
+        split, per_split = 1, n_blocks
     if x.stride(-1) != 1:
         x = x.contiguous()
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    part = torch.empty(split, m, n, device=x.device, dtype=torch.float32) if split > 1 else out
     pdl = pdl_enabled(x.device)
-    _mma_kernel[(triton.cdiv(n, block_n),)](
-        x, words, w.scales, w.zeros if has_zeros else w.scales, bias if bias is not None else out, out,
-        m, n, k, n_blocks, x.stride(0), words.stride(0),
-        BITS=bits, BLOCK=w.block, BLOCK_N=block_n, GROUPS=groups, HAS_ZEROS=has_zeros, HAS_BIAS=bias is not None,
-        DT=dt, ZERO=zero, ASM=asm, CONSTRAINTS="=r," * (32 // bits) + "r,r", UPCAST=interpreting(),
-        EVEN_K=k == n_blocks * w.block and n_blocks % groups == 0, USE_PDL=pdl, num_warps=warps, num_stages=stages, launch_pdl=pdl)
+    _mma_kernel[(n_tiles, split)](
+        x, words, w.scales, w.zeros if has_zeros else w.scales, bias if bias is not None else out, out, part,
+        arrived if arrived is not None else words, m, n, k, n_blocks, per_split, x.stride(0), words.stride(0),
+        BITS=bits, BLOCK=w.block, BLOCK_N=block_n, GROUPS=groups, SPLIT=split, HAS_ZEROS=has_zeros,
+        HAS_BIAS=bias is not None, DT=tl.float16 if fp16 else tl.bfloat16, ZERO=zero, ASM=asm,
+        CONSTRAINTS="=r," * (32 // bits) + "r,r", UPCAST=interpreting(),
+        EVEN_K=k == n_blocks * w.block and per_split * split == n_blocks, USE_PDL=pdl, num_warps=warps,
+        num_stages=stages, launch_pdl=pdl)
     return out

@@ -64,7 +64,7 @@ def test_kernels_match_reference_at_model_sizes(nk, m, fmt, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("fmt", ["int8", "int4_sym", "int4_asym"])
 @pytest.mark.parametrize("m", [1, 5, 16])
-@pytest.mark.parametrize("tiles", [(16, 1, 1, 4), (32, 2, 2, 4), (64, 4, 4, 3), (128, 2, 4, 3)], ids=str)
+@pytest.mark.parametrize("tiles", [(16, 1, 1, 1, 4), (32, 2, 4, 2, 4), (64, 4, 1, 4, 3), (128, 2, 3, 4, 3)], ids=str)
 def test_mma_ptx_unpack_equals_plain_ops(tiles, m, fmt, dtype):
     """The tensor-core kernel's PTX unpack gives the values the plain ops give: equal outputs, bit for bit."""
     from cudaformers.kernels.quant_mma import quant_mma
