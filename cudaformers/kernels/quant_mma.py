@@ -219,11 +219,15 @@ def supports(x: torch.Tensor, w: PackedWeight) -> bool:
 
 
 def default_tiles(n: int, n_blocks: int, device: torch.device) -> tuple[int, int, int, int, int]:
-    """(BLOCK_N, GROUPS, SPLIT, num_warps, num_stages)."""
+    """(BLOCK_N, GROUPS, SPLIT, num_warps, num_stages): 32-row tiles of two blocks a step, four stages,
+    two warps; the blocks split over programs until there are 1.5 per SM, each split keeping at
+    least 16 blocks. Swept on qwen3-8b's layers at M = 1 and 16 (bench/quant.py --parts mma, H200,
+    bench/RESULTS.md run 13): this picks the best measured split for q/k/v (2), o (2) and gate/up (1)
+    at both M, and for down (2) at M = 16 (at M = 1 four splits of four blocks a step were 11% faster)."""
     block_n, groups = 32, 2
     tiles = triton.cdiv(n, block_n)
     split = 1
-    while tiles * split < 4 * sm_count(device) and n_blocks // (2 * split) >= 2 * groups:
+    while 2 * tiles * split < 3 * sm_count(device) and n_blocks // (2 * split) >= 16:
         split *= 2
     return block_n, groups, split, 2, 4
 
