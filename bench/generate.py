@@ -5,8 +5,10 @@
 A variant is an attention backend, optionally with ``+kernels`` (use_kernels=True), ``+cublas``
 (kernels, but matmuls left on cuBLAS instead of the decode GEMV and skinny GEMM), ``+nofold`` (kernels,
 but the decode norms not folded into the GEMVs after them), ``+nomlp`` (kernels, but the gated MLP's
-activation left out of the down projection's GEMV) and ``+torchinputs`` (the decode step's inputs as
-torch ops and the model's own rotary instead of one launch: ``generation.decode.STEP_INPUTS_KERNEL``).
+activation left out of the down projection's GEMV), ``+torchinputs`` (the decode step's inputs as
+torch ops and the model's own rotary instead of one launch: ``generation.decode.STEP_INPUTS_KERNEL``)
+and ``+nofuseattn`` (decode attention as qk_norm_rope then the paged decode, two launches, instead of
+the one fused launch: ``kernels.fused_norm_decode.FUSE_ATTENTION``).
 """
 
 from __future__ import annotations
@@ -74,8 +76,10 @@ def run_ours(folder, batch, variant, check_eager) -> dict:
     ids = prompt_ids(batch)
     kw = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
     from cudaformers.generation import decode
+    from cudaformers.kernels import fused_norm_decode
 
     decode.STEP_INPUTS_KERNEL = "torchinputs" not in flags
+    fused_norm_decode.FUSE_ATTENTION = "nofuseattn" not in flags
     try:
         model.generate(ids, **kw)
         runs = sorted((timed(lambda: model.generate(ids, **kw)) for _ in range(REPEATS)), key=lambda r: r[1])
@@ -83,6 +87,7 @@ def run_ours(folder, batch, variant, check_eager) -> dict:
         eager = model.generate(ids, use_cuda_graph=False, **kw) if check_eager else None
     finally:
         decode.STEP_INPUTS_KERNEL = True
+        fused_norm_decode.FUSE_ATTENTION = True
     weight_bytes = sum(p.numel() * p.element_size() for p in set(model.parameters()))
     explain = model.explain()
     del model

@@ -37,6 +37,8 @@ CASES = {
     "kv_store": ("none", False),
     # Lengths and block tables (int64 here) before the wait, the first K/V tile into L2.
     "paged_decode": ("step inputs", False),
+    # ... and with qk_norm_rope fused in, its norm weights too; the raw q/k/v, cos/sin, slots after it.
+    "paged_decode_fused": ("step inputs", True),
     "act_and_mul": ("none", False),
 }
 PLAIN = ("act_and_mul_pdl_off", "act_and_mul_backward")
@@ -45,7 +47,7 @@ PLAIN = ("act_and_mul_pdl_off", "act_and_mul_backward")
 def _cases():
     """name -> (module, kernel attribute, call that launches it with bf16 weights, fp32 activations)."""
     from cudaformers.attention.kv_cache import KVStore
-    from cudaformers.kernels import activation, gemv, kv_store, paged_decode, qk_norm_rope, rms_norm
+    from cudaformers.kernels import activation, gemv, kv_store, paged_decode, paged_decode_fused, qk_norm_rope, rms_norm
 
     bf, f32 = torch.bfloat16, torch.float32
     x, w = torch.randn(1, 96, dtype=f32), torch.randn(40, 96, dtype=bf)
@@ -80,6 +82,9 @@ def _cases():
             cache, cache.clone(), qkv[:, :32].view(2, 1, 32), qkv[:, 32:64].view(2, 1, 32), torch.tensor([3, 9]))),
         "paged_decode": (paged_decode, "_paged_decode_kernel", lambda: paged_decode.paged_decode(
             qkv[:, :64].view(2, 2, 32), kv_cache, kv_cache.clone(), lens, table, 8, 0.1)),
+        "paged_decode_fused": (paged_decode, "_paged_decode_kernel", lambda: paged_decode_fused.paged_decode_fused(
+            qkv[:, :64].view(2, 2, 32), qkv[:, 64:96].view(2, 1, 32), qkv[:, 96:].view(2, 1, 32), kv_cache,
+            kv_cache.clone(), lens, table, torch.tensor([3, 9]), 8, 0.1, cos, sin, w[0, :32], w[1, :32])),
         "act_and_mul": (activation, "_act_mul_fwd",
                         lambda: activation.act_and_mul_forward(gate_up[:, :96], gate_up[:, 96:], pdl=True)),
         "act_and_mul_pdl_off": (activation, "_act_mul_fwd",
@@ -209,7 +214,15 @@ def test_pdl_kernel_keeps_the_contract(probe, case):
 
 
 def test_only_the_paged_decode_prefetches(probe):
-    assert not [e for c in CASES if c != "paged_decode" for e in probe[c]["events"] if e.startswith("prefetch.")]
+    assert not [e for c in CASES if not c.startswith("paged_decode") for e in probe[c]["events"]
+                if e.startswith("prefetch.")]
+
+
+def test_fused_paged_decode_requests_its_norm_weights_before_the_wait(probe):
+    events = probe["paged_decode_fused"]["events"]
+    before = events[:events.index("griddepcontrol.wait")]
+    assert any(e.endswith(".b16") for e in before), _summary(events)
+    assert "st.global.b16" in events, "the bf16 cache store was compiled out"
 
 
 @pytest.mark.parametrize("case", PLAIN)

@@ -18,6 +18,16 @@ The fold pays where a layer is a few microseconds of GEMV: every program of the 
 whole input row for its sum of squares, which costs little against a launch at hidden size 1024 and
 more than a launch at 4096. Measured on an H200 (bench/RESULTS.md run 8): qwen3-0.6b decode 1,095 ->
 1,156 tok/s with the fold, qwen3-8b 220 -> 206. So it applies up to ``FOLD_MAX_HIDDEN`` features.
+
+Past the folded q/k/v GEMV, a pure decode step's attention can be one launch where that is what
+would run anyway (``_attention_fuses``): the triton backend's paged decode with qk_norm_rope's
+per-head norm, rotary and KV-cache store as its prologue (``paged_decode_fused.py``), one launch
+fewer per layer. It pays only without programmatic dependent launch (``pdl.py``). qwen3-0.6b decode
+at batch 1 on an H200 (bench/generate.py W1): with PDL off, 1,117 -> 1,138 tok/s fused; with PDL on,
+1,418 unfused against 1,290 fused. Under PDL the unfused decode kernel starts early and overlaps
+qk_norm_rope, while the fused prologue's loads, norm and rotary all wait for the GEMV and sit on the
+critical path. So it applies where PDL is off (``FUSE_ATTENTION_WITH_PDL`` overrides that), and
+``FUSE_ATTENTION = False`` turns it off entirely (bench/generate.py's ``+nofuseattn``).
 """
 
 from __future__ import annotations
@@ -30,8 +40,12 @@ from ..layers.mlp import GatedMLP
 from ..layers.norm import RMSNorm
 from .fused_projections import PackedLinear
 from .gemv import gemv_applies, gemv_rms_norm
+from .pdl import pdl_enabled
 
 FOLD_MAX_HIDDEN = 2048  # widest input row the norm is folded for (see the module docstring)
+# Decode attention past the folded GEMV as one launch (see the module docstring); off for A/B runs.
+FUSE_ATTENTION = True
+FUSE_ATTENTION_WITH_PDL = False  # measured slower under PDL on an H200 (module docstring)
 
 
 def _unhooked(module: nn.Module) -> bool:
@@ -73,8 +87,72 @@ def _fold(norm: RMSNorm, packed: PackedLinear | None, hidden, residual):
     return gemv_rms_norm(hidden, packed.weight, norm.weight, norm.variance_epsilon, residual, packed.bias)
 
 
+def _attention_fuses(attn: Attention, q, k, v, cos, sin, batch) -> bool:
+    """Whether ``paged_decode_fused`` computes what ``attn.attend`` would run for these heads
+    (``q [T, Hq, D]``, ``k``/``v [T, Hkv, D]``): the same cache contents (bit for bit on the
+    interpreter) and the same attention up to where the new key joins the softmax sum. Each
+    condition is a way the unfused path could run something else, or the launch would be slower:
+
+    - the switches: ``FUSE_ATTENTION``, and PDL off unless ``FUSE_ATTENTION_WITH_PDL`` (measured
+      slower under PDL, see the module docstring);
+    - the backend is exactly the triton one, and the step a pure decode with a cache (one query
+      per sequence, keys in the cache): then ``with_cache`` is the ``paged_decode`` the launch holds;
+      other backends, prefill and mixed steps run their own kernels;
+    - the rotary module runs the hub's qk_norm_rope kernel (no other forward, no hooks), whose q/k
+      norms are plain RMSNorms or absent: the prologue is that kernel's arithmetic on their weights;
+    - no autograd: qk_norm_rope would switch to the differentiable kernels, and with_cache raises;
+    - one row of cos/sin, slot, length and block table per query, as the kernels index them;
+    - qk_norm_rope would fuse its cache store (``_fusable``: its casts are then store_kv's) and
+      round q and k to one dtype, the only rounding the fused kernel has.
+    """
+    from ..attention.triton_backend import TritonAttention
+    from ..layers.attention import ApplyRotary
+    from .hub import _qk_norm_rope
+    from .qk_norm_rope import _fusable, output_dtypes
+
+    cache, rotary = batch.kv_cache, attn.rotary
+    if not FUSE_ATTENTION or (pdl_enabled(q.device) and not FUSE_ATTENTION_WITH_PDL):
+        return False
+    if type(attn.backend) is not TritonAttention:
+        return False
+    if cache is None or not batch.has_context or batch.max_seqlen_q != 1:
+        return False
+    if type(rotary) is not ApplyRotary or not _unhooked(rotary) or getattr(
+            rotary.__dict__.get("forward"), "__func__", None) is not _qk_norm_rope:
+        return False
+    norms = (attn.q_norm, attn.k_norm)  # both absent, or both plain RMSNorms
+    if any(n is not None for n in norms) and not all(n is not None and _plain_norm(n) for n in norms):
+        return False
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+        return False
+    t, hkv, d = k.shape
+    tables = (batch.seqlens_k, batch.block_table, batch.slot_mapping)
+    if any(x is None or x.shape[0] != t for x in tables) or batch.slot_mapping.dim() != 1:
+        return False
+    if cos.dim() != 2 or cos.shape != sin.shape or cos.shape[0] != t or cos.shape[1] > d or cos.shape[1] % 2:
+        return False
+    q_dtype, k_dtype = output_dtypes(q, k, cos, None if attn.q_norm is None else attn.q_norm.weight)
+    store = (v, cache.k[attn.layer_idx], cache.v[attn.layer_idx], batch.slot_mapping)
+    return q_dtype == k_dtype and _fusable(store, k_dtype, (t, hkv, d), q.device)
+
+
 def _attention_past_projections(attn: Attention, qkv: torch.Tensor, cos, sin, batch) -> torch.Tensor:
-    return attn.attend(*qkv.split(attn.packed_qkv.sizes, dim=-1), cos, sin, batch)
+    q, k, v = qkv.split(attn.packed_qkv.sizes, dim=-1)
+    t, d = qkv.shape[0], attn.head_dim
+    heads = q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)
+    if not _attention_fuses(attn, *heads, cos, sin, batch):
+        return attn.attend(q, k, v, cos, sin, batch)
+    from .paged_decode_fused import paged_decode_fused
+    from .qk_norm_rope import _norm_params
+
+    i, norms = attn.layer_idx, ()
+    if attn.q_norm is not None:
+        (qw, q_eps), (kw, k_eps) = _norm_params(attn.q_norm, "q_norm"), _norm_params(attn.k_norm, "k_norm")
+        norms = (qw, kw, q_eps, k_eps)
+    out = paged_decode_fused(*heads, batch.kv_cache.k[i], batch.kv_cache.v[i], batch.seqlens_k, batch.block_table,
+                             batch.slot_mapping, batch.max_seqlen_k, attn.scaling, cos, sin, *norms,
+                             window=attn.sliding_window)
+    return attn.o_proj(out.reshape(t, -1))  # Attention.attend, past the attention
 
 
 def _mlp_past_projections(mlp: GatedMLP, gate_up: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,10 @@ the process, so split launches on one device must not run concurrently on two st
 
 CUDA-graph capturable: the grid depends only on tensor shapes and the Python int ``max_seqlen_k``
 (the cache capacity during capture), and nothing is read back to the host.
+
+With ``FUSED`` the same kernel also does qk_norm_rope's work for the new token: q and the new key
+from the raw projections, the new key and value into the softmax from registers and into the cache
+(``paged_decode_fused.py`` has the design). One main loop serves both launches.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -35,6 +40,7 @@ from .flash_attention import attention_reference
 from .flash_attention_fwd import LOG2E, _UPCAST_DOT, _dot, _dot_precision, block_d, check_inputs, interpreting
 from .l2_prefetch import LINE_BYTES, prefetch_l2
 from .pdl import pdl_enabled, release_dependents, wait_for_producer
+from .qk_norm_rope import norm_rope, rope_layout, rope_rows
 
 logger = logging.getLogger("cudaformers")
 
@@ -78,35 +84,90 @@ def _merge_splits(O_PART, LSE, O, seq, heads, g_mask, offs_d, d_mask, used,
 
 
 @triton.jit
+def _query(Q, K_NEW, V_NEW, COS, SIN, SLOTS, O, K, V, seq, kv_head, heads, g_mask, offs_d, d_mask,
+           partner, sign, rotated, q_w, q_wp, k_w, k_wp, q_eps, k_eps,
+           stride_qt, stride_qh, stride_nkt, stride_nkh, stride_nvt, stride_nvh, stride_ct, stride_st,
+           HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr, FUSED: tl.constexpr):
+    """This program's queries ``[BLOCK_G, BLOCK_D]`` in O's dtype; with FUSED, also the new token's key
+    and value ``[1, BLOCK_D]`` as the cache holds them, and its cache slot (else placeholders).
+
+    FUSED computes q and k as qk_norm_rope does (the same ``norm_rope`` arithmetic, rounded to its
+    output dtype, which is O's) and then casts k and v to the cache's dtype as its fused store does:
+    the values the unfused path would write to the cache and read back."""
+    q_row = Q + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
+    q_mask = g_mask[:, None] & d_mask[None, :]
+    if FUSED:
+        cols = offs_d[None, :]
+        c, s = rope_rows(COS + seq.to(tl.int64) * stride_ct, SIN + seq.to(tl.int64) * stride_st, cols, sign, rotated)
+        x = tl.load(q_row + cols, mask=q_mask, other=0.0).to(tl.float32)
+        xp = tl.load(q_row + partner, mask=q_mask, other=0.0).to(tl.float32)
+        q = norm_rope(x, xp, q_w.to(tl.float32), q_wp.to(tl.float32), c, s, q_eps, HEAD_DIM,
+                      HAS_NORM).to(O.dtype.element_ty)
+        k_row = K_NEW + seq.to(tl.int64) * stride_nkt + kv_head * stride_nkh
+        kv_mask = d_mask[None, :]
+        x = tl.load(k_row + cols, mask=kv_mask, other=0.0).to(tl.float32)    # [1, BLOCK_D]
+        xp = tl.load(k_row + partner, mask=kv_mask, other=0.0).to(tl.float32)
+        k_new = norm_rope(x, xp, k_w.to(tl.float32), k_wp.to(tl.float32), c, s, k_eps, HEAD_DIM,
+                          HAS_NORM).to(O.dtype.element_ty)
+        k_new = k_new.to(K.dtype.element_ty)
+        v_row = V_NEW + seq.to(tl.int64) * stride_nvt + kv_head * stride_nvh
+        v_new = tl.load(v_row + cols, mask=kv_mask, other=0.0).to(V.dtype.element_ty)
+        slot = tl.load(SLOTS + seq).to(tl.int64)
+    else:
+        q = tl.load(q_row + offs_d[None, :], mask=q_mask, other=0.0)
+        k_new = q
+        v_new = q
+        slot = seq
+    return q, k_new, v_new, slot
+
+
+@triton.jit
 def _paged_decode_kernel(
     Q, K, V, O,  # Q/O [B, Hq, D]; K/V flattened pages [slots, Hkv, D]
     O_PART, LSE, ARRIVED,  # O_PART [B, Hq, S, D] fp32; LSE [B, Hq, S] fp32 (base 2); ARRIVED [B * Hkv] int32
     seqlens_k, block_table, table_keys, qk_scale, window, split_above,
+    # FUSED: Q is the raw projection; K_NEW/V_NEW [B, Hkv, D] raw; Q_W/K_W [D]; COS/SIN [B, R]; SLOTS [B]
+    K_NEW, V_NEW, Q_W, K_W, COS, SIN, SLOTS, q_eps, k_eps, half, rot,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_bt, stride_ot, stride_oh,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+    stride_nkt, stride_nkh, stride_nvt, stride_nvh, stride_ct, stride_st,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUPS: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_GM: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr,
     MAY_SPLIT: tl.constexpr, SPLIT_TILES: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr, EARLY: tl.constexpr,
     LINES: tl.constexpr, LINE_ELEMS: tl.constexpr, CACHE: tl.constexpr,
+    FUSED: tl.constexpr, HAS_NORM: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    if not EARLY:
-        # Everything below reads what earlier kernels of the step wrote (q, the cache, lengths, tables).
-        wait_for_producer(USE_PDL)
-        release_dependents(USE_PDL)
-
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     g_mask = offs_g < GROUPS
     d_mask = offs_d < HEAD_DIM
     heads = kv_head * GROUPS + offs_g
-    q_ptrs = Q + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
+    partner, sign, rotated = rope_layout(offs_d[None, :], half, rot)
+    if FUSED and HAS_NORM:  # weights: requested while the previous kernel drains, converted after the wait
+        q_w = tl.load(Q_W + offs_d[None, :], mask=d_mask[None, :], other=0.0)
+        q_wp = tl.load(Q_W + partner, mask=d_mask[None, :], other=0.0)
+        k_w = tl.load(K_W + offs_d[None, :], mask=d_mask[None, :], other=0.0)
+        k_wp = tl.load(K_W + partner, mask=d_mask[None, :], other=0.0)
+    else:  # never read
+        q_w = sign
+        q_wp = sign
+        k_w = sign
+        k_wp = sign
     if not EARLY:
-        # q does not depend on the length: its load is in flight while the length -> range -> block table chain runs.
-        q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
+        # Everything below reads what earlier kernels of the step wrote (q, the cache, lengths, tables).
+        wait_for_producer(USE_PDL)
+        release_dependents(USE_PDL)
+        # q (and the new token) do not depend on the length: their loads are in flight while the
+        # length -> range -> block table chain runs.
+        q, k_new, v_new, slot = _query(
+            Q, K_NEW, V_NEW, COS, SIN, SLOTS, O, K, V, seq, kv_head, heads, g_mask, offs_d, d_mask,
+            partner, sign, rotated, q_w, q_wp, k_w, k_wp, q_eps, k_eps,
+            stride_qt, stride_qh, stride_nkt, stride_nkh, stride_nvt, stride_nvh, stride_ct, stride_st,
+            HEAD_DIM, HAS_NORM, FUSED)  # q [BLOCK_G, BLOCK_D]
     # EARLY: the length and block table are read before the wait. Kernels that had finished before the
     # previous kernel released this grid wrote them (pdl.py); CACHE = ".cg" then reads them from L2,
     # never from a line an SM cached earlier.
@@ -152,20 +213,31 @@ def _paged_decode_kernel(
         prefetch_l2(Vh + first * stride_vt + lines)
         wait_for_producer(USE_PDL)
         release_dependents(USE_PDL)
-        q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+        q, k_new, v_new, slot = _query(
+            Q, K_NEW, V_NEW, COS, SIN, SLOTS, O, K, V, seq, kv_head, heads, g_mask, offs_d, d_mask,
+            partner, sign, rotated, q_w, q_wp, k_w, k_wp, q_eps, k_eps,
+            stride_qt, stride_qh, stride_nkt, stride_nkh, stride_nvt, stride_nvh, stride_ct, stride_st,
+            HEAD_DIM, HAS_NORM, FUSED)
+    # FUSED: this launch writes the new token's row (position k_len - 1), so no program reads it from
+    # the cache: the tiles stop short of it, and the split whose range holds it (the last used one)
+    # adds it to its softmax from registers after them. The main loop stays the plain kernel's: a
+    # select swapping the key into its tile made the launch up to 2x slower (paged_decode_fused.py).
+    kv_end = end
+    if FUSED:
+        kv_end = tl.minimum(end, k_len - 1)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for start_n in range(start, end, BLOCK_N):
+    for start_n in range(start, kv_end, BLOCK_N):
         # Every tile holds at least one real key, so the running max stays finite.
         offs_n = start_n + offs_k
-        valid = offs_n < end
+        valid = offs_n < kv_end
         kv_mask = valid[:, None] & d_mask[None, :]
         # K and V are requested together, then the next tile's block-table entries: all of it is
         # in flight while this tile's scores are computed.
         k = tl.load(Kh + rows[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         v = tl.load(Vh + rows[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        rows = _slots(bt_row, offs_n + BLOCK_N, offs_n + BLOCK_N < end, PAGE_SIZE, CACHE)
+        rows = _slots(bt_row, offs_n + BLOCK_N, offs_n + BLOCK_N < kv_end, PAGE_SIZE, CACHE)
         s = _dot(q, tl.trans(k), PREC, UPCAST) * qk_scale  # [BLOCK_G, BLOCK_N]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -174,6 +246,25 @@ def _paged_decode_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v, PREC, UPCAST)
         m_i = m_new
+    if FUSED:
+        holds_new = split == used - 1
+        if holds_new & (k_len > 0):
+            # The new key as one more (one-key) tile: rounded as the cache would hold it, and p as the
+            # tiles round it for the PV product.
+            k_one = k_new.to(q.dtype).to(tl.float32)  # [1, BLOCK_D]
+            v_one = v_new.to(q.dtype).to(tl.float32)
+            s_new = tl.sum(q.to(tl.float32) * k_one, 1) * qk_scale  # [BLOCK_G]
+            m_new = tl.maximum(m_i, s_new)
+            p_new = tl.exp2(s_new - m_new)
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + p_new
+            acc = acc * alpha[:, None] + p_new.to(q.dtype).to(tl.float32)[:, None] * v_one
+            m_i = m_new
+        # The same program (one per sequence and kv head) stores the new row, after the tiles, when the
+        # slot's load is long back. Negative slots (padding) are skipped.
+        if holds_new & (slot >= 0):
+            tl.store(Kh + slot * stride_kt + offs_d[None, :], k_new, mask=d_mask[None, :])
+            tl.store(Vh + slot * stride_vt + offs_d[None, :], v_new, mask=d_mask[None, :])
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # l_i == 0 only for an empty sequence: zeros
     if used == 1:
@@ -298,6 +389,22 @@ def _arrival_counters(device: torch.device, n: int) -> torch.Tensor | None:
     return buf
 
 
+class NewToken(NamedTuple):
+    """The fused prologue's inputs (``paged_decode_fused.py``): each sequence's new token as projected,
+    ``k``/``v [B, Hkv, D]`` (q is the launch's query), optional q/k RMSNorm weights ``[D]`` and eps,
+    rotary ``cos``/``sin [B, R]`` and the cache ``slots [B]`` its key and value go to."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    q_weight: torch.Tensor | None
+    k_weight: torch.Tensor | None
+    q_eps: float
+    k_eps: float
+    slots: torch.Tensor
+
+
 def paged_decode(q, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k: int, scale: float,
                  window: int | None = None, num_splits: int | None = None,
                  tiling: DecodeTiling | None = None) -> torch.Tensor:
@@ -309,17 +416,25 @@ def paged_decode(q, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k: int,
     the SM count); ``tiling`` overrides ``default_tiling`` (benchmarks, tests).
     """
     check_inputs(q, k_cache, v_cache)
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    return launch(q, torch.empty_like(q), k_cache, v_cache, seqlens_k, block_table, max_seqlen_k, scale, window,
+                  num_splits, tiling)
+
+
+def launch(q, out, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k: int, scale: float, window: int | None,
+           num_splits: int | None, tiling: DecodeTiling | None, new: NewToken | None = None) -> torch.Tensor:
+    """The kernel launch behind ``paged_decode`` (``new=None``: q is final) and ``paged_decode_fused``
+    (q as projected, ``new`` the rest of the token): writes and returns ``out [B, Hq, D]``.
+    Inputs are checked by the callers; last dims contiguous."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
     if block_table.shape[0] != num_seqs:
         raise ValueError(f"block_table has {block_table.shape[0]} rows for {num_seqs} decode queries")
-    q = q if q.stride(-1) == 1 else q.contiguous()
     k = k_cache.view(-1, num_kv_heads, head_dim)
     v = v_cache.view(-1, num_kv_heads, head_dim)
-    out = torch.empty_like(q)
     if num_seqs == 0:
         return out
-    tiling = tiling or default_tiling(num_seqs, num_kv_heads, head_dim, q.dtype, q.device)
+    tiling = tiling or default_tiling(num_seqs, num_kv_heads, head_dim, out.dtype, q.device)
     if num_splits is None:
         splits, _ = split_plan(num_seqs, num_kv_heads, max_seqlen_k, q.device, tiling.block_n)
     else:
@@ -342,6 +457,15 @@ def paged_decode(q, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k: int,
         split_strides = (part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1))
     else:  # never touched: the only split writes the output
         part, lse, arrived, split_strides = out, out, seqlens_k, (0,) * 5
+    if new is None:  # never read
+        fused_args, fused_strides, has_norm = (q, q, q, q, q, q, seqlens_k, 0.0, 0.0, 0, 0), (0,) * 6, False
+    else:
+        has_norm = new.q_weight is not None
+        w = (new.q_weight, new.k_weight) if has_norm else (q, q)
+        rot = new.cos.shape[1]
+        fused_args = (new.k, new.v, *w, new.cos, new.sin, new.slots, new.q_eps, new.k_eps, rot // 2, rot)
+        fused_strides = (new.k.stride(0), new.k.stride(1), new.v.stride(0), new.v.stride(1), new.cos.stride(0),
+                         new.sin.stride(0))
     pdl = pdl_enabled(q.device)
     # With PDL and fewer programs than SMs (decode is latency then), the launch requests its length,
     # block table and (into L2) first K/V tile before waiting for the previous kernel: qwen3-0.6b at
@@ -350,16 +474,16 @@ def paged_decode(q, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k: int,
     early = pdl and num_seqs * num_kv_heads < _sms(q.device)
     _paged_decode_kernel[(num_seqs, num_kv_heads, splits)](
         q, k, v, out, part, lse, arrived, seqlens_k, block_table, block_table.shape[1] * page_size,
-        scale * LOG2E, window or 0, tiling.split_above,
+        scale * LOG2E, window or 0, tiling.split_above, *fused_args,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), block_table.stride(0),
-        out.stride(0), out.stride(1), *split_strides,
+        out.stride(0), out.stride(1), *split_strides, *fused_strides,
         HEAD_DIM=head_dim, BLOCK_D=bd, GROUPS=groups, BLOCK_G=max(16, triton.next_power_of_2(groups)),
         BLOCK_GM=block_gm, BLOCK_N=tiling.block_n, PAGE_SIZE=page_size, HAS_WINDOW=bool(window),
         MAY_SPLIT=splits > 1, SPLIT_TILES=tiling.split_tiles, BLOCK_S=block_s,
         CHUNK_S=max(1, min(block_s, _MERGE_ELEMENTS // (block_gm * bd))),
-        PREC=_dot_precision(q.dtype), UPCAST=_UPCAST_DOT, USE_PDL=pdl, EARLY=early, CACHE=".cg" if early else "",
+        PREC=_dot_precision(out.dtype), UPCAST=_UPCAST_DOT, USE_PDL=pdl, EARLY=early, CACHE=".cg" if early else "",
         LINES=triton.next_power_of_2(triton.cdiv(head_dim * k.element_size(), LINE_BYTES)),
-        LINE_ELEMS=LINE_BYTES // k.element_size(),
+        LINE_ELEMS=LINE_BYTES // k.element_size(), FUSED=new is not None, HAS_NORM=has_norm,
         num_warps=tiling.num_warps, num_stages=tiling.num_stages, launch_pdl=pdl)
     return out
 

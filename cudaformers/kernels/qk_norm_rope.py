@@ -33,20 +33,52 @@ logger = logging.getLogger("cudaformers")
 
 
 @triton.jit
+def rope_layout(cols, half, rot):
+    """rotate_half over the first ``rot`` channels: each channel's partner, the partner's sign, and
+    which channels rotate. Channel c < half pairs with c + half (and subtracts it), half <= c < rot
+    with c - half; the rest pair with themselves and keep their value."""
+    first = cols < half
+    rotated = cols < rot
+    partner = tl.where(first, cols + half, tl.where(rotated, cols - half, cols))
+    sign = tl.where(first, -1.0, 1.0)
+    return partner, sign, rotated
+
+
+@triton.jit
+def rope_rows(cos_row, sin_row, cols, sign, rotated):
+    """fp32 cos and signed sin of one token, ``[1, BLOCK_D]``: channels past the rotary pass through."""
+    c = tl.load(cos_row + cols, mask=rotated, other=1.0).to(tl.float32)
+    s = sign * tl.load(sin_row + cols, mask=rotated, other=0.0).to(tl.float32)
+    return c, s
+
+
+@triton.jit
+def norm_rope(x, xp, w, w_partner, c, s, eps, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr):
+    """Heads ``x [H, BLOCK_D]`` and their partner channels ``xp`` (fp32, zero past HEAD_DIM), RMS-normed
+    per head (with fp32 weights) when HAS_NORM, then rotated: fp32, not yet rounded. The one
+    definition of the arithmetic: the paged decode's fused prologue (paged_decode.py) rounds the
+    same values as this file's kernel."""
+    if HAS_NORM:
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)    # [H]
+        x = x * rstd[:, None] * w
+        xp = xp * rstd[:, None] * w_partner
+    return x * c + xp * s
+
+
+@triton.jit
 def _norm_rope_heads(x_ptr, o_ptr, w_ptr, cos_row, sin_row, stride_t, stride_h, t, n_heads, eps, half, rot,
                      cache_ptr, slot_ptr,
                      HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
                      USE_PDL: tl.constexpr, STORE: tl.constexpr):
     cols = tl.arange(0, BLOCK_D)[None, :]
     col_ok = cols < HEAD_DIM
-    # rotate_half: channel c < half pairs with c + half (and subtracts it), half <= c < rot with c - half.
-    first = cols < half
-    rotated = cols < rot
-    partner = tl.where(first, cols + half, tl.where(rotated, cols - half, cols))
-    sign = tl.where(first, -1.0, 1.0)
+    partner, sign, rotated = rope_layout(cols, half, rot)
     if HAS_NORM:  # weights: requested while the previous kernel drains, used after the wait
         w = tl.load(w_ptr + cols, mask=col_ok, other=0.0)
         w_partner = tl.load(w_ptr + partner, mask=col_ok, other=0.0)
+    else:  # never read: norm_rope skips the norm
+        w = sign
+        w_partner = sign
     # cos/sin are computed from the step's positions, q/k by the projection: both after the wait.
     wait_for_producer(USE_PDL)
     release_dependents(USE_PDL)
@@ -56,19 +88,14 @@ def _norm_rope_heads(x_ptr, o_ptr, w_ptr, cos_row, sin_row, stride_t, stride_h, 
     if HAS_NORM:
         w = w.to(tl.float32)
         w_partner = w_partner.to(tl.float32)
-    c = tl.load(cos_row + cols, mask=rotated, other=1.0).to(tl.float32)
-    s = sign * tl.load(sin_row + cols, mask=rotated, other=0.0).to(tl.float32)
+    c, s = rope_rows(cos_row, sin_row, cols, sign, rotated)
     for h0 in range(0, n_heads, BLOCK_H):
         heads = h0 + tl.arange(0, BLOCK_H)[:, None]
         mask = (heads < n_heads) & col_ok
         row = x_ptr + t * stride_t + heads * stride_h
         x = tl.load(row + cols, mask=mask, other=0.0).to(tl.float32)        # [BLOCK_H, BLOCK_D]
         xp = tl.load(row + partner, mask=mask, other=0.0).to(tl.float32)    # partner channels (L1 hits)
-        if HAS_NORM:
-            rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)    # [BLOCK_H]
-            x = x * rstd[:, None] * w
-            xp = xp * rstd[:, None] * w_partner
-        y = (x * c + xp * s).to(o_ptr.dtype.element_ty)
+        y = norm_rope(x, xp, w, w_partner, c, s, eps, HEAD_DIM, HAS_NORM).to(o_ptr.dtype.element_ty)
         tl.store(o_ptr + (t * n_heads + heads) * HEAD_DIM + cols, y, mask=mask)
         if STORE:  # the output's rounding first, then the cache's cast: what store_kv does with the output
             if slot >= 0:
@@ -149,6 +176,12 @@ def _fusable(kv_store, k_dtype: torch.dtype, shape: tuple, device: torch.device)
     return all(c.dtype in (x, torch.float32) for c, x in ((k_cache, k_dtype), (v_cache, v.dtype)))
 
 
+def output_dtypes(q, k, cos, q_weight=None) -> tuple[torch.dtype, torch.dtype]:
+    """The dtypes the reference produces for q and k (weight * normed, then times cos): the kernel's outputs'."""
+    out_dtype = cos.dtype if q_weight is None else torch.promote_types(q_weight.dtype, cos.dtype)
+    return torch.promote_types(q.dtype, out_dtype), torch.promote_types(k.dtype, out_dtype)
+
+
 def qk_norm_rope_forward(q, k, cos, sin, q_weight=None, k_weight=None, q_eps: float = 1e-6, k_eps: float = 1e-6,
                          kv_store=None):
     """The kernel call: returns new contiguous ``(q, k)``; weights ``[D]`` both given or both None.
@@ -171,9 +204,7 @@ def qk_norm_rope_forward(q, k, cos, sin, q_weight=None, k_weight=None, q_eps: fl
     if has_norm and (q_weight.shape != (d,) or k_weight.shape != (d,)):
         raise ValueError(f"qk_norm_rope: norm weights must be [head_dim={d}], got {tuple(q_weight.shape)} and "
                          f"{tuple(k_weight.shape)}")
-    # The output dtype the reference would produce (weight * normed, then times cos).
-    out_dtype = cos.dtype if not has_norm else torch.promote_types(q_weight.dtype, cos.dtype)
-    q_dtype, k_dtype = torch.promote_types(q.dtype, out_dtype), torch.promote_types(k.dtype, out_dtype)
+    q_dtype, k_dtype = output_dtypes(q, k, cos, q_weight)
     q = q if q.stride(-1) == 1 else q.contiguous()
     k = k if k.stride(-1) == 1 else k.contiguous()
     cos = cos if cos.stride(-1) == 1 else cos.contiguous()
