@@ -168,3 +168,17 @@ def test_blocks_per_step_and_splits_any_count(groups, split, fmt):
         expected = quant_matmul_reference(x.double(), _as_double(w), layer.bias.double())
         out = quant_mma(x, w, layer.bias, tiles=(16, groups, split, 1, 2))
         assert (out.double() - expected).abs().le(_ulp(expected, torch.float16) * 1.01 + 1e-6).all()
+
+
+def test_unsplit_fallback_when_counters_cannot_be_made(monkeypatch):
+    """Inside a CUDA-graph capture that would have to make the arrival counters the launch runs unsplit:
+    the same result, with step overhang masked (3 blocks of 128 codes in steps of 2)."""
+    import cudaformers.kernels.quant_mma as qmma
+
+    monkeypatch.setattr(qmma, "_arrival_counters", lambda device, n: None)
+    layer = _layer(Int4Config(group_size=128), 24, 384, torch.float16, bias=False)
+    w = layer.packed()
+    x = torch.randn(2, 384, dtype=torch.float16)
+    expected = quant_matmul_reference(x.double(), _as_double(w))
+    out = quant_mma(x, w, tiles=(16, 2, 4, 1, 2))
+    assert (out.double() - expected).abs().le(_ulp(expected, torch.float16) * 1.01 + 1e-6).all()

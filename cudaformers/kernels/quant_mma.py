@@ -29,6 +29,9 @@ fp16 x, and int8 for fp16 x; everything else (NF4/FP4, small groups, fp32 x) run
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 import triton
 import triton.language as tl
@@ -37,9 +40,13 @@ from .pdl import pdl_enabled, release_dependents, wait_for_producer
 from .paged_decode import _arrival_counters
 from .quant_matmul import FMT_INT4, FMT_INT8, _FMT_IDS, PackedWeight, interpreting, sm_count
 
+logger = logging.getLogger("cudaformers")
+
 MAX_ROWS = 16  # rows of x: one 16-row tensor-core tile
+_warned_capture: list[bool] = []
 
 
+@functools.lru_cache(maxsize=None)
 def _unpack_asm(bits: int, fp16: bool, zero: int) -> str:
     """PTX turning two int32 words ($P, $P+1) into their ``32 / bits`` planes, each a register of two
     16-bit floats ``code - zero`` (int8: the signed code). See the module docstring."""
@@ -258,7 +265,12 @@ def quant_mma(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None
     n_tiles = triton.cdiv(n, block_n)
     arrived = _arrival_counters(x.device, n_tiles) if split > 1 else None
     if split > 1 and arrived is None:  # inside a CUDA-graph capture that would have to make the counters
-        split, per_split = 1, n_blocks
+        if not _warned_capture:
+            _warned_capture.append(True)
+            logger.warning("quant_mma: a CUDA graph captured before any eager call has no split counters, so "
+                           "its quantized matmuls run unsplit (slower for long layers with few rows); run one "
+                           "step before capturing")
+        split, per_split = 1, triton.cdiv(n_blocks, groups) * groups
     if x.stride(-1) != 1:
         x = x.contiguous()
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
