@@ -86,9 +86,14 @@ for part in "${parts[@]}"; do
     quant-mma) run quant-mma 300 python3 bench/quant.py --parts mma --shapes qwen3-8b --methods int4,int8 \
                  --json "$OUT/results.jsonl" ;;
     quant-mma-decode) run quant-mma-decode 240 python3 bench/quant.py --parts decode --shapes qwen3-8b \
-                        --methods bf16,int4,int4_fma,int4_head,int8,int8_fma --json "$OUT/results.jsonl" ;;
+                        --methods "${QUANT_METHODS:-bf16,int4,int4_fma,int4_head,int8,int8_fma}" --json "$OUT/results.jsonl" ;;
     quant-head) run quant-head 120 python3 bench/quant.py --parts decode --shapes qwen3-8b \
                   --methods bf16,int4,int4_head,int8,int8_head --json "$OUT/results.jsonl" ;;
+    quant-ncu) run quant-ncu 240 ncu --clock-control none --profile-from-start off --section SpeedOfLight \
+                 --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
+                 --section MemoryWorkloadAnalysis python3 bench/profile_quant.py ;;
+    decode-profile-int4) run decode-profile-int4 120 python3 bench/profile_decode.py --shape qwen3-8b --kernels \
+                           --quant int4 ;;
     generate-overhead) run generate-overhead 90 python3 bench/generate_overhead.py ;;
     gemv-tiles) run gemv-tiles 420 python3 bench/gemv_tiles.py --json "$OUT/results.jsonl" ;;
     multi) n=$(nvidia-smi -L | wc -l)  # issue-8 runs: every GPU of the machine (bench/distributed.py)

@@ -1,6 +1,7 @@
 """Where a decode step's time goes: kernels per step and GPU time by kernel, eager vs graph replay.
 
     python bench/profile_decode.py [--shape qwen3-0.6b] [--batch 1] [--attn triton] [--kernels]
+                                   [--quant int4|int8|...]   (a method of bench/quant.py)
 """
 
 from __future__ import annotations
@@ -22,13 +23,17 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--attn", default="triton")
     ap.add_argument("--kernels", action="store_true")
+    ap.add_argument("--quant", default=None, help="a quantization method of bench/quant.py (int4, int8, int4_head, ...)")
     args = ap.parse_args()
     from cudaformers import AutoModelForCausalLM
     from cudaformers.generation.decode import get_runner
 
+    from quant import method_config
+
     folder = random_checkpoint(args.shape, Path(f"/tmp/bench-{args.shape}"))
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, device_map="cuda",
-                                                 attn_implementation=args.attn, use_kernels=args.kernels)
+                                                 attn_implementation=args.attn, use_kernels=args.kernels,
+                                                 quantization_config=method_config(args.quant or "bf16"))
     ids = torch.randint(1000, 100000, (args.batch, 128), device="cuda")
     with torch.inference_mode():
         model.generate(ids, max_new_tokens=8, min_new_tokens=8)
@@ -59,7 +64,7 @@ def main() -> None:
             count[e.name[:70]] += 1
             total += e.device_time / 5
     n = sum(count.values()) / 5
-    print(f"{args.shape} batch {args.batch} attn {args.attn} kernels {args.kernels}: {n:.0f} kernels/step, "
+    print(f"{args.shape} {args.quant or 'bf16'} batch {args.batch} attn {args.attn} kernels {args.kernels}: {n:.0f} kernels/step, "
           f"GPU busy {total / 1000:.3f} ms/step; eager step {runners[False]:.3f} ms, graph step {runners[True]:.3f} ms "
           f"-> {args.batch * 1000 / runners[True]:.0f} tok/s")
     for name, t in sorted(by_name.items(), key=lambda kv: -kv[1])[:40]:
