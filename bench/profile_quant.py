@@ -30,13 +30,13 @@ def cases(layers, methods, kernels):
         torch.nn.init.normal_(linear.weight, std=0.02)
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         if "bf16" in kernels:
-            yield f"{label} bf16 gemv", (lambda f=_bf16_layer(linear): f(x))
+            yield f"{label} bf16 gemv", (lambda f=_bf16_layer(linear), x=x: f(x))
         for method in methods:
             w = quantize(torch.nn.Sequential(linear), method_config(method))[0].packed()
             if "fma" in kernels:
                 from cudaformers.kernels.quant_gemv import quant_gemv
 
-                yield f"{label} {method} fma", (lambda w=w: quant_gemv(x, w))
+                yield f"{label} {method} fma", (lambda w=w, x=x: quant_gemv(x, w))
             xm = x.half() if method == "int8" else x
             if "mma" in kernels and supports(xm, w):
                 yield f"{label} {method} mma", (lambda w=w, xm=xm: quant_mma(xm, w))
