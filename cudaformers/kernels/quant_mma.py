@@ -123,13 +123,12 @@ def _plane(words, unpacked, J: tl.constexpr, BITS: tl.constexpr, ZERO: tl.conste
 
 
 @triton.jit
-def _block_product(x_rows, q_rows, s, z, rows, row_ok, m_ok, blk, end, K, BITS: tl.constexpr,
+def _block_product(x_rows, q_rows, s_ptr, z_ptr, rows, row_ok, m_ok, blk, end, K, n_blocks, BITS: tl.constexpr,
                    BLOCK: tl.constexpr, W: tl.constexpr, HAS_ZEROS: tl.constexpr, DT: tl.constexpr,
                    ZERO: tl.constexpr, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr, UPCAST: tl.constexpr,
                    EVEN_K: tl.constexpr):
-    """Block ``blk``'s share of ``W @ x^T`` ``[BLOCK_N, 16]`` in fp32: int4 scaled by ``s`` (and
-    corrected by its zero points ``z``), both ``[BLOCK_N]`` fp32; int8 unscaled (its scale is per row,
-    applied once at the end)."""
+    """Block ``blk``'s share of ``W @ x^T`` ``[BLOCK_N, 16]`` in fp32: int4 scaled (and zero-corrected),
+    int8 unscaled (its scale is per row, applied once at the end)."""
     PLANES: tl.constexpr = 32 // BITS
     wi = tl.arange(0, W)
     if not EVEN_K:  # past the program's last block (the step's blocks overhang): nothing loaded or added
@@ -160,53 +159,17 @@ def _block_product(x_rows, q_rows, s, z, rows, row_ok, m_ok, blk, end, K, BITS: 
             part = tl.dot(a, xt, part)
     if BITS == 8:
         return part
+    s = tl.load(s_ptr + rows * n_blocks + blk, mask=row_ok, other=0).to(tl.float32)
     if HAS_ZEROS:
+        z = tl.load(z_ptr + rows * n_blocks + blk, mask=row_ok, other=0).to(tl.float32)
         part -= z[:, None] * xsum[None, :]
     return part * s[:, None]
 
 
 @triton.jit
-def _step_scales(s_ptr, z_ptr, rows, row_ok, b0, end, n_blocks, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
-                 COLS: tl.constexpr, PAIRED: tl.constexpr, HAS_ZEROS: tl.constexpr):
-    """The fp16 scales and zero points of blocks ``b0 .. b0 + GROUPS`` (none at ``end`` or past it), one
-    load each: ``[BLOCK_N, COLS]``, COLS a power of two covering the step. PAIRED: int32 words of two
-    adjacent blocks' values; else fp16. ``_scale_of`` takes one block's out. int8 has none (one scale
-    per row)."""
-    if BITS == 8:
-        none = tl.zeros([BLOCK_N, COLS], tl.float16)
-        return none, none
-    if PAIRED:  # b0, end and n_blocks are even
-        cols = b0 // 2 + tl.arange(0, COLS)
-        offs = rows[:, None] * (n_blocks // 2) + cols[None, :]
-        mask = row_ok[:, None] & (cols < end // 2)[None, :]
-    else:
-        cols = b0 + tl.arange(0, COLS)
-        offs = rows[:, None] * n_blocks + cols[None, :]
-        mask = row_ok[:, None] & (cols < end)[None, :]
-    s = tl.load(s_ptr + offs, mask=mask, other=0)
-    z = tl.load(z_ptr + offs, mask=mask, other=0) if HAS_ZEROS else s
-    return s, z
-
-
-@triton.jit
-def _scale_of(t, g: tl.constexpr, PAIRED: tl.constexpr):
-    """Block ``g`` of the step's ``_step_scales`` as fp32 ``[BLOCK_N]``."""
-    if PAIRED:
-        word = _column(t, g // 2)
-        return ((word >> (16 * (g % 2))) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    return _column(t, g).to(tl.float32)
-
-
-@triton.jit
-def _column(t, g: tl.constexpr):
-    """Column ``g`` of a narrow ``[R, C]`` tensor, as ``[R]``."""
-    return tl.sum(tl.where(tl.arange(0, t.shape[1])[None, :] == g, t, tl.zeros_like(t)), 1)
-
-
-@triton.jit
 def _mma_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, arrived_ptr, M, N, K, n_blocks, per_split,
                 ld_x, ld_q, BITS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
-                SPLIT: tl.constexpr, PAIRED: tl.constexpr, SCALE_COLS: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, DT: tl.constexpr,
+                SPLIT: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, DT: tl.constexpr,
                 ZERO: tl.constexpr, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr, UPCAST: tl.constexpr,
                 EVEN_K: tl.constexpr, USE_PDL: tl.constexpr):
     """``out [M, N] = x [M, K] @ W.T (+ b)`` for M <= 16; ``q_ptr`` the packed weight as int32 words.
@@ -229,18 +192,10 @@ def _mma_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, arrived_pt
     wait_for_producer(USE_PDL)
     release_dependents(USE_PDL)
     acc = tl.zeros([BLOCK_N, 16], tl.float32)
-    # Each step's scales (and zero points) are loaded one step ahead, by hand: Triton's software
-    # pipeline streams only the loads that feed a tl.dot's operands, and a scale loaded in its own
-    # step waits a full memory latency there (the kernel then reached ~40% of the bandwidth).
-    s, z = _step_scales(s_ptr, z_ptr, rows, row_ok, start, end, n_blocks, BITS, BLOCK_N, SCALE_COLS, PAIRED, HAS_ZEROS)
     for b0 in range(start, end, GROUPS):
-        s_next, z_next = _step_scales(s_ptr, z_ptr, rows, row_ok, b0 + GROUPS, end, n_blocks, BITS, BLOCK_N,
-                                      SCALE_COLS, PAIRED, HAS_ZEROS)
         for g in tl.static_range(GROUPS):
-            acc += _block_product(x_rows, q_rows, _scale_of(s, g, PAIRED), _scale_of(z, g, PAIRED), rows, row_ok,
-                                  m_ok, b0 + g, end, K, BITS, BLOCK, W, HAS_ZEROS, DT, ZERO, ASM, CONSTRAINTS, UPCAST,
-                                  EVEN_K)
-        s, z = s_next, z_next
+            acc += _block_product(x_rows, q_rows, s_ptr, z_ptr, rows, row_ok, m_ok, b0 + g, end, K, n_blocks, BITS,
+                                  BLOCK, W, HAS_ZEROS, DT, ZERO, ASM, CONSTRAINTS, UPCAST, EVEN_K)
     offs = mi[None, :].to(tl.int64) * N + rows[:, None]
     mask = row_ok[:, None] & m_ok[None, :]
     if SPLIT > 1:
@@ -321,17 +276,10 @@ def quant_mma(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     part = torch.empty(split, m, n, device=x.device, dtype=torch.float32) if split > 1 else out
     pdl = pdl_enabled(x.device)
-    # Scales (and zero points) read as int32 words of two blocks: whole words per step and per row.
-    paired = fmt == FMT_INT4 and groups % 2 == 0 and n_blocks % 2 == 0 and per_split % 2 == 0
-    scales, zeros = w.scales, w.zeros if has_zeros else w.scales
-    if paired:
-        scales, zeros = scales.contiguous().view(torch.int32), zeros.contiguous().view(torch.int32)
     _mma_kernel[(n_tiles, split)](
-        x, words, scales, zeros, bias if bias is not None else out, out, part,
+        x, words, w.scales, w.zeros if has_zeros else w.scales, bias if bias is not None else out, out, part,
         arrived if arrived is not None else words, m, n, k, n_blocks, per_split, x.stride(0), words.stride(0),
-        BITS=bits, BLOCK=w.block, BLOCK_N=block_n, GROUPS=groups, SPLIT=split, PAIRED=paired,
-        SCALE_COLS=triton.next_power_of_2(groups // 2 if paired else groups),
-        HAS_ZEROS=has_zeros,
+        BITS=bits, BLOCK=w.block, BLOCK_N=block_n, GROUPS=groups, SPLIT=split, HAS_ZEROS=has_zeros,
         HAS_BIAS=bias is not None, DT=tl.float16 if fp16 else tl.bfloat16, ZERO=zero, ASM=asm,
         CONSTRAINTS="=r," * (32 // bits) + "r,r", UPCAST=interpreting(),
         EVEN_K=k == n_blocks * w.block and per_split * split == n_blocks, USE_PDL=pdl, num_warps=warps,
