@@ -84,6 +84,7 @@ for part in "${parts[@]}"; do
     quant-8b) run quant-8b 100 python3 bench/quant.py --parts decode,qlora --shapes qwen3-8b \
                 --methods bf16,int8,int4,nf4 --json "$OUT/results.jsonl" ;;
     quant-mma) run quant-mma 300 python3 bench/quant.py --parts mma --shapes qwen3-8b --methods "${QUANT_MMA_METHODS:-int4,int8}" \
+                 ${QUANT_MMA_TILES:+--mma-tiles "$QUANT_MMA_TILES"} ${QUANT_MMA_M:+--mma-m "$QUANT_MMA_M"} \
                  --json "$OUT/results.jsonl" ;;
     quant-mma-decode) run quant-mma-decode 240 python3 bench/quant.py --parts decode --shapes qwen3-8b \
                         --methods "${QUANT_METHODS:-bf16,int4,int4_fma,int4_head,int8,int8_fma}" --json "$OUT/results.jsonl" ;;

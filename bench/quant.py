@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import gc
 import itertools
+import json
 import sys
 import traceback
 from pathlib import Path
@@ -173,7 +174,7 @@ MMA_TILES = [None, (32, 2, 1, 2, 4), (32, 2, 2, 2, 4), (32, 2, 4, 2, 4), (32, 2,
              (64, 2, 4, 4, 4), (32, 2, 16, 2, 4)]
 
 
-def bench_mma(methods, bw, env, json_path) -> list[dict]:
+def bench_mma(methods, bw, env, json_path, tilings=None, ms=(1, 16)) -> list[dict]:
     """The tensor-core kernel (``quant_mma``) at each tiling, with and without its PTX unpack, beside the
     FMA GEMV (M = 1) or the tl.dot GEMM (M = 16) it replaces: us per call and share of copy bandwidth.
     x is bf16 (int8: fp16, the only x it serves)."""
@@ -190,7 +191,7 @@ def bench_mma(methods, bw, env, json_path) -> list[dict]:
             nbytes = _layer_bytes(layer)
             copies = [c.packed() for c in _copies(layer, nbytes)]
             n_blocks = copies[0].qweight.shape[1] * 8 // copies[0].bits // copies[0].block
-            for m in (1, 16):
+            for m in ms:
                 # int8 runs on tensor cores for fp16 x only
                 x = torch.randn(m, k, device="cuda", dtype=torch.float16 if method == "int8" else torch.bfloat16)
                 ref = qm.quant_matmul_reference(x.float(), copies[0]).float()
@@ -198,7 +199,8 @@ def bench_mma(methods, bw, env, json_path) -> list[dict]:
                 qm.USE_MMA = False
                 cases = {"fma" if m == 1 else "dot": lambda c, x=x: qm.quant_matmul_triton(x, c)}
                 # every tiling at M = 1 (decode), the first few at M = 16; the plain-ops unpack at two
-                for i, tiles in enumerate(MMA_TILES if m == 1 else MMA_TILES[:5]):
+                sweep = tilings or MMA_TILES
+                for i, tiles in enumerate(sweep if m == 1 else sweep[:5]):
                     for asm in (True, False) if i < 2 else (True,):
                         cases[f"mma{tiles or default_tiles(n, n_blocks, x.device)}{'' if asm else '-noasm'}"] = (
                             lambda c, x=x, t=tiles, a=asm: quant_mma(x, c, tiles=t, use_asm=a))
@@ -299,6 +301,9 @@ def bench_qlora(env, json_path, seq: int = 2048) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--parts", default="kernels,decode,qlora")
+    ap.add_argument("--mma-tiles", default=None, help='mma: a JSON list of tilings to sweep (the default added), '
+                    'e.g. "[[64, 2, 1, 2, 3]]"')
+    ap.add_argument("--mma-m", default="1,16", help="mma: the rows of x to time")
     ap.add_argument("--shapes", default="qwen3-0.6b,qwen3-8b")
     ap.add_argument("--methods", default="bf16,int8,int4,nf4,fp8")
     ap.add_argument("--json", default=None)
@@ -310,7 +315,9 @@ def main() -> None:
     parts = args.parts.split(",")
     kernels = bench_kernels(methods, bw, env, args.json) if "kernels" in parts else []
     tiles = bench_gemv_tiles(methods, bw, env, args.json) if "tiles" in parts else []
-    mma = bench_mma(methods, bw, env, args.json) if "mma" in parts else []
+    tilings = [None] + [tuple(t) for t in json.loads(args.mma_tiles)] if args.mma_tiles else None
+    mma = bench_mma(methods, bw, env, args.json, tilings, tuple(int(m) for m in args.mma_m.split(","))) \
+        if "mma" in parts else []
     decode = [r for s in args.shapes.split(",") for r in bench_decode(s, methods, bw, env, args.json)] \
         if "decode" in parts else []
     qlora = bench_qlora(env, args.json) if "qlora" in parts else []
