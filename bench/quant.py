@@ -202,7 +202,7 @@ def bench_mma(methods, bw, env, json_path, tilings=None, ms=(1, 16)) -> list[dic
                 sweep = tilings or MMA_TILES
                 for i, tiles in enumerate(sweep if m == 1 else sweep[:5]):
                     for asm in (True, False) if i < 2 else (True,):
-                        cases[f"mma{tiles or default_tiles(n, n_blocks, x.device)}{'' if asm else '-noasm'}"] = (
+                        cases[f"mma{tiles or default_tiles(n, n_blocks, x.device, m)}{'' if asm else '-noasm'}"] = (
                             lambda c, x=x, t=tiles, a=asm: quant_mma(x, c, tiles=t, use_asm=a))
                 for name, fn in cases.items():
                     try:
@@ -214,7 +214,7 @@ def bench_mma(methods, bw, env, json_path, tilings=None, ms=(1, 16)) -> list[dic
                         continue
                     rec = dict(part="mma", method=method, layer=label, m=m, kernel=name, us=round(seconds * 1e6, 2),
                                bw_share=round(nbytes / seconds / bw, 3), rel_err=round(err, 5),
-                               default=name == f"mma{default_tiles(n, n_blocks, x.device)}", **env)
+                               default=name == f"mma{default_tiles(n, n_blocks, x.device, m)}", **env)
                     emit(rec, json_path)
                     rows.append(rec)
                 qm.USE_MMA = old

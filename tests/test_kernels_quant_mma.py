@@ -182,3 +182,20 @@ def test_unsplit_fallback_when_counters_cannot_be_made(monkeypatch):
     expected = quant_matmul_reference(x.double(), _as_double(w))
     out = quant_mma(x, w, tiles=(16, 2, 4, 1, 2))
     assert (out.double() - expected).abs().le(_ulp(expected, torch.float16) * 1.01 + 1e-6).all()
+
+
+def test_one_row_against_long_weight_rows_takes_its_own_default():
+    """At M = 1 a layer of 64 blocks or more a row gets four blocks a step over four splits (the
+    down-projection tiling); at M = 2 the general rule; the default launch is right at M = 1."""
+    from cudaformers.kernels.quant_mma import default_tiles
+
+    cpu = torch.device("cpu")
+    assert default_tiles(4096, 96, cpu, 1) == (32, 4, 4, 2, 3)
+    assert default_tiles(4096, 96, cpu, 2)[1:3] != (4, 4)
+    assert default_tiles(4096, 32, cpu, 1)[1] == 2
+    layer = _layer(Int4Config(group_size=128), 40, 64 * 128, torch.bfloat16, bias=False)
+    w = layer.packed()
+    x = torch.randn(1, 64 * 128, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(3))
+    expected = quant_matmul_reference(x.double(), _as_double(w))
+    out = quant_mma(x, w)
+    assert (out.double() - expected).abs().le(_ulp(expected, torch.bfloat16) * 1.01 + 1e-6).all()

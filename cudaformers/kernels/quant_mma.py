@@ -225,13 +225,19 @@ def supports(x: torch.Tensor, w: PackedWeight) -> bool:
     return 1 <= x.shape[0] <= MAX_ROWS and w.block * w.bits // 32 >= 16 and w.scales2 is None
 
 
-def default_tiles(n: int, n_blocks: int, device: torch.device) -> tuple[int, int, int, int, int]:
+def default_tiles(n: int, n_blocks: int, device: torch.device, rows: int = MAX_ROWS) -> tuple[int, int, int, int, int]:
     """(BLOCK_N, GROUPS, SPLIT, num_warps, num_stages): 32-row tiles of two blocks a step, four stages,
     two warps; the blocks split over programs until there are 1.5 per SM, each split keeping at
     least 16 blocks. Swept on qwen3-8b's layers at M = 1 and 16 (bench/quant.py --parts mma, H200,
-    bench/RESULTS.md run 13): this picks the best measured split for q/k/v (2), o (2) and gate/up (1)
-    at both M, and for down (2) at M = 16 (at M = 1 four splits of four blocks a step were 11% faster)."""
+    bench/RESULTS.md runs 13 and 14): this picks the best measured split for q/k/v (2), o (2) and
+    gate/up (1) at both M, and for down (2) at M = 16.
+
+    One row of x against long rows of weights (64 blocks or more, down at 12,288 features) takes four
+    blocks a step over three stages and four splits: 15.7 us against 18.8-21.3 for the rule above
+    (three runs); at 16 rows the rule above stays best there."""
     block_n, groups = 32, 2
+    if rows == 1 and n_blocks >= 64:
+        return block_n, 4, 4, 2, 3
     tiles = triton.cdiv(n, block_n)
     split = 1
     while 2 * tiles * split < 3 * sm_count(device) and n_blocks // (2 * split) >= 16:
@@ -258,7 +264,7 @@ def quant_mma(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None
     asm = _unpack_asm(bits, fp16, zero) if use_asm else ""
     words = w.qweight.view(torch.int32)
     n_blocks = words.shape[1] * 32 // bits // w.block
-    block_n, groups, split, warps, stages = tiles or default_tiles(n, n_blocks, x.device)
+    block_n, groups, split, warps, stages = tiles or default_tiles(n, n_blocks, x.device, m)
     # Each split gets whole steps of GROUPS blocks; a split left without blocks is dropped.
     per_split = triton.cdiv(triton.cdiv(n_blocks, split), groups) * groups
     split = triton.cdiv(n_blocks, per_split)

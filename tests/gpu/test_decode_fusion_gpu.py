@@ -150,7 +150,7 @@ def test_gemv_rms_norm_chain_in_a_graph_equals_eager():
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
-def _qwen3_06b_shaped(seed=0):
+def _qwen3_06b_shaped(seed=0, dtype=torch.bfloat16):
     from cudaformers import AutoConfig, AutoModelForCausalLM
     from cudaformers.kernels.fused_projections import fuse_projections
 
@@ -159,7 +159,7 @@ def _qwen3_06b_shaped(seed=0):
                                   max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=1e6,
                                   tie_word_embeddings=True, hidden_act="silu", architectures=["Qwen3ForCausalLM"])
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, device=DEV).eval()
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, device=DEV).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:

@@ -124,7 +124,9 @@ def test_qwen3_06b_shaped_generates_the_same_tokens(monkeypatch):
     from cudaformers.kernels.hub import kernelize
 
     # fp32: a q or k one bit apart (see the module docstring) can flip a bf16 greedy token at a near-tie.
-    model = _qwen3_06b_shaped().to(torch.float32)
+    # Built in fp32: .to() afterwards would copy q/k/v apart from their packed matrix, and the fold
+    # (so the fused attention past it) applies only while they are views of it.
+    model = _qwen3_06b_shaped(dtype=torch.float32)
     model.set_attn_implementation("triton")
     kernelize(model)
     monkeypatch.setattr(fused_norm_decode, "FUSE_ATTENTION_WITH_PDL", True)  # the launch under test, PDL or not
