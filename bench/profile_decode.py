@@ -23,7 +23,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--attn", default="triton")
     ap.add_argument("--kernels", action="store_true")
-    ap.add_argument("--quant", default=None, help="a quantization method of bench/quant.py (int4, int8, int4_head, ...)")
+    ap.add_argument("--quant", default=None, help="a method of bench/quant.py (int4, int8, int4_head, ...)")
     args = ap.parse_args()
     from cudaformers import AutoModelForCausalLM
     from cudaformers.generation.decode import get_runner
@@ -64,7 +64,8 @@ def main() -> None:
             count[e.name[:70]] += 1
             total += e.device_time / 5
     n = sum(count.values()) / 5
-    print(f"{args.shape} {args.quant or 'bf16'} batch {args.batch} attn {args.attn} kernels {args.kernels}: {n:.0f} kernels/step, "
+    print(f"{args.shape} {args.quant or 'bf16'} batch {args.batch} attn {args.attn} kernels {args.kernels}: "
+          f"{n:.0f} kernels/step, "
           f"GPU busy {total / 1000:.3f} ms/step; eager step {runners[False]:.3f} ms, graph step {runners[True]:.3f} ms "
           f"-> {args.batch * 1000 / runners[True]:.0f} tok/s")
     for name, t in sorted(by_name.items(), key=lambda kv: -kv[1])[:40]:

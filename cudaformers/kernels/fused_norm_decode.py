@@ -88,9 +88,13 @@ def _fold(norm: RMSNorm, packed: PackedLinear | None, hidden, residual):
 
 
 def _attention_fuses(attn: Attention, q, k, v, cos, sin, batch) -> bool:
-    """Whether ``paged_decode_fused`` computes what ``attn.attend`` would run for these heads
-    (``q [T, Hq, D]``, ``k``/``v [T, Hkv, D]``): the same cache contents (bit for bit on the
-    interpreter) and the same attention up to where the new key joins the softmax sum. Each
+    return _attention_declines(attn, q, k, v, cos, sin, batch) is None
+
+
+def _attention_declines(attn: Attention, q, k, v, cos, sin, batch) -> str | None:
+    """Why ``paged_decode_fused`` would not compute what ``attn.attend`` runs for these heads
+    (``q [T, Hq, D]``, ``k``/``v [T, Hkv, D]``), or None where it does: the same cache contents (bit
+    for bit on the interpreter) and the same attention up to where the new key joins the softmax sum. Each
     condition is a way the unfused path could run something else, or the launch would be slower:
 
     - the switches: ``FUSE_ATTENTION``, and PDL off unless ``FUSE_ATTENTION_WITH_PDL`` (measured
@@ -111,29 +115,35 @@ def _attention_fuses(attn: Attention, q, k, v, cos, sin, batch) -> bool:
     from .qk_norm_rope import _fusable, output_dtypes
 
     cache, rotary = batch.kv_cache, attn.rotary
-    if not FUSE_ATTENTION or (pdl_enabled(q.device) and not FUSE_ATTENTION_WITH_PDL):
-        return False
+    if not FUSE_ATTENTION:
+        return "FUSE_ATTENTION is off"
+    if pdl_enabled(q.device) and not FUSE_ATTENTION_WITH_PDL:
+        return "PDL is on and FUSE_ATTENTION_WITH_PDL off"
     if type(attn.backend) is not TritonAttention:
-        return False
+        return f"the {type(attn.backend).__name__} backend, not exactly the triton one"
     if cache is None or not batch.has_context or batch.max_seqlen_q != 1:
-        return False
+        return "not a pure decode step with a KV cache"
     if type(rotary) is not ApplyRotary or not _unhooked(rotary) or getattr(
             rotary.__dict__.get("forward"), "__func__", None) is not _qk_norm_rope:
-        return False
+        return "the rotary module does not run the hub's qk_norm_rope kernel alone"
     norms = (attn.q_norm, attn.k_norm)  # both absent, or both plain RMSNorms
     if any(n is not None for n in norms) and not all(n is not None and _plain_norm(n) for n in norms):
-        return False
+        return "the q/k norms are not both plain RMSNorms"
     if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
-        return False
+        return "autograd is on"
     t, hkv, d = k.shape
     tables = (batch.seqlens_k, batch.block_table, batch.slot_mapping)
     if any(x is None or x.shape[0] != t for x in tables) or batch.slot_mapping.dim() != 1:
-        return False
+        return "no one length, block-table row and slot per query"
     if cos.dim() != 2 or cos.shape != sin.shape or cos.shape[0] != t or cos.shape[1] > d or cos.shape[1] % 2:
-        return False
+        return f"cos/sin {tuple(cos.shape)} are not one even row per query"
     q_dtype, k_dtype = output_dtypes(q, k, cos, None if attn.q_norm is None else attn.q_norm.weight)
+    if q_dtype != k_dtype:
+        return f"q and k would round to {q_dtype} and {k_dtype}"
     store = (v, cache.k[attn.layer_idx], cache.v[attn.layer_idx], batch.slot_mapping)
-    return q_dtype == k_dtype and _fusable(store, k_dtype, (t, hkv, d), q.device)
+    if not _fusable(store, k_dtype, (t, hkv, d), q.device):
+        return "qk_norm_rope would not fuse this cache store"
+    return None
 
 
 def _attention_past_projections(attn: Attention, qkv: torch.Tensor, cos, sin, batch) -> torch.Tensor:

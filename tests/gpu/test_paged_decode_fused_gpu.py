@@ -135,8 +135,14 @@ def test_qwen3_06b_shaped_generates_the_same_tokens(monkeypatch):
     calls = []
     real = module.paged_decode_fused
     monkeypatch.setattr(module, "paged_decode_fused", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    declined, folds = set(), []
+    real_declines, real_fold = fused_norm_decode._attention_declines, fused_norm_decode._fold
+    monkeypatch.setattr(fused_norm_decode, "_attention_declines",
+                        lambda *a: (lambda r: (declined.add(r), r)[1])(real_declines(*a)))
+    monkeypatch.setattr(fused_norm_decode, "_fold", lambda *a: (lambda r: (folds.append(r is not None), r)[1])(
+        real_fold(*a)))
     fused = [model.generate(ids, use_cuda_graph=graph, **kw) for graph in (True, False)]
-    assert calls, "the fused attention never ran"
+    assert calls, f"the fused attention never ran: folded {sum(folds)} of {len(folds)} norms; declined: {declined}"
     assert torch.equal(fused[0], fused[1])  # graph == eager
     model.__dict__.pop("_decode_runners", None)  # the captured graphs hold the fused launches
     monkeypatch.setattr(fused_norm_decode, "FUSE_ATTENTION", False)
