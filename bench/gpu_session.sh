@@ -90,6 +90,9 @@ for part in "${parts[@]}"; do
                         --methods "${QUANT_METHODS:-bf16,int4,int4_fma,int4_head,int8,int8_fma}" --json "$OUT/results.jsonl" ;;
     quant-head) run quant-head 120 python3 bench/quant.py --parts decode --shapes qwen3-8b \
                   --methods bf16,int4,int4_head,int8,int8_head --json "$OUT/results.jsonl" ;;
+    quant-staged) run quant-staged 150 python3 bench/quant.py --parts staged --shapes qwen3-8b --methods int4,int8 \
+                    --layers "${QUANT_LAYERS:-qkv,gate_up,down,o}" \
+                    --json "$OUT/results.jsonl" ;;
     quant-ncu) run quant-ncu 240 ncu --clock-control none --profile-from-start off --section SpeedOfLight \
                  --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
                  --section MemoryWorkloadAnalysis python3 bench/profile_quant.py ;;
