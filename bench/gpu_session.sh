@@ -95,7 +95,8 @@ for part in "${parts[@]}"; do
                     --json "$OUT/results.jsonl" ;;
     quant-ncu) run quant-ncu 240 ncu --clock-control none --profile-from-start off --section SpeedOfLight \
                  --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
-                 --section MemoryWorkloadAnalysis python3 bench/profile_quant.py ;;
+                 --section MemoryWorkloadAnalysis --print-details all \
+                 python3 bench/profile_quant.py ${QUANT_NCU_ARGS:-} ;;
     decode-profile-int4) run decode-profile-int4 120 python3 bench/profile_decode.py --shape qwen3-8b --kernels \
                            --quant int4 ;;
     generate-overhead) run generate-overhead 90 python3 bench/generate_overhead.py ;;

@@ -1,7 +1,7 @@
 """One launch of each quantized decode kernel for a hardware-counter profiler to read.
 
     ncu --clock-control none --profile-from-start off --section SpeedOfLight ... python bench/profile_quant.py
-        [--layers gate_up,down] [--methods int4,int8] [--kernels fma,mma,bf16]
+        [--layers gate_up,down] [--methods int4,int8] [--kernels fma,mma,bf16,staged] [--staged-tiles 8,16,4,3]
 
 Each kernel first runs a few times (compile, autotune, warm the caches of its launch path) outside the
 profiled range; then ``cudaProfilerStart`` opens the range and each case launches once, so the
@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quant import KERNEL_SHAPES, _bf16_layer, method_config  # noqa: E402
 
 
-def cases(layers, methods, kernels):
+def cases(layers, methods, kernels, staged=(8, 16, 4, 3)):
     from cudaformers.kernels.quant_mma import quant_mma, supports
     from cudaformers.quant.apply import quantize
 
@@ -33,10 +33,13 @@ def cases(layers, methods, kernels):
             yield f"{label} bf16 gemv", (lambda f=_bf16_layer(linear), x=x: f(x))
         for method in methods:
             w = quantize(torch.nn.Sequential(linear), method_config(method))[0].packed()
-            if "fma" in kernels:
-                from cudaformers.kernels.quant_gemv import quant_gemv
+            from cudaformers.kernels.quant_gemv import quant_gemv
 
+            if "fma" in kernels:
                 yield f"{label} {method} fma", (lambda w=w, x=x: quant_gemv(x, w))
+            if "staged" in kernels:  # the shared-memory-pipelined GEMV at --staged-tiles
+                yield f"{label} {method} staged{staged}", (
+                    lambda w=w, x=x: quant_gemv(x, w, tiles=staged[:3], stages=staged[3]))
             xm = x.half() if method == "int8" else x
             if "mma" in kernels and supports(xm, w):
                 yield f"{label} {method} mma", (lambda w=w, xm=xm: quant_mma(xm, w))
@@ -46,9 +49,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", default="gate_up,down")
     ap.add_argument("--methods", default="int4,int8")
-    ap.add_argument("--kernels", default="fma,mma,bf16")
+    ap.add_argument("--kernels", default="fma,mma,bf16", help="any of fma, mma, bf16, staged")
+    ap.add_argument("--staged-tiles", default="8,16,4,3", help="staged: BLOCK_N,BLOCKS,warps,stages")
     args = ap.parse_args()
-    todo = list(cases(args.layers.split(","), args.methods.split(","), args.kernels.split(",")))
+    todo = list(cases(args.layers.split(","), args.methods.split(","), args.kernels.split(","),
+                      tuple(int(v) for v in args.staged_tiles.split(","))))
     with torch.no_grad():
         for _, fn in todo:
             for _ in range(3):
