@@ -68,3 +68,53 @@ def test_unpack_restores_separate_storage():
     assert "projections" not in model.explain()
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, before)
+
+
+def test_packing_an_eval_model_packs_in_eval_mode(monkeypatch):
+    """Packed after .eval(): the packed layers are in eval mode too, so inference runs the packed
+    matmul (a packed layer left in training mode would quietly fall back to the separate ones, and
+    every fold past it with them)."""
+    from cudaformers.kernels.fused_projections import PackedLinear, unpack_projections
+
+    model = AutoModelForCausalLM.from_pretrained(tiny.checkpoint("qwen3"))
+    unpack_projections(model)
+    model.eval()
+    assert fuse_projections(model) > 0
+    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert packed and not any(m.training for m in packed)
+    calls = []
+    real = PackedLinear.forward
+    monkeypatch.setattr(PackedLinear, "forward", lambda self, x: (calls.append(1), real(self, x))[1])
+    with torch.no_grad():
+        model(torch.randint(3, 211, (1, 7)))
+    assert len(calls) == len(packed)
+    model.train()
+    assert all(m.training for m in packed)
+
+
+def test_moving_the_model_keeps_its_projections_packed(monkeypatch):
+    """model.to() moves every tensor on its own; afterwards the projections are views of their packed
+    matrix again: the packed matmul runs, the weights are held once, and the numbers are the same."""
+    from cudaformers.kernels.fused_projections import PackedLinear
+
+    folder = tiny.checkpoint("qwen2")  # biases packed too
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    ids = torch.randint(3, 211, (2, 9))
+    with torch.no_grad():
+        want = model(ids).logits.double()
+    model = model.to(torch.float64)
+    for attn in (layer.self_attn for layer in model.model.layers):
+        assert attn.q_proj.weight.data_ptr() == attn.packed_qkv.weight.data_ptr()
+        assert attn.v_proj.bias.data_ptr() == attn.packed_qkv.bias[-attn.v_proj.bias.shape[0]:].data_ptr()
+        assert attn.q_proj.weight.dtype == torch.float64
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in [*model.parameters(), *model.buffers()]}
+    params = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    assert sum(storages.values()) < 1.1 * params  # not the q/k/v and gate/up weights twice
+    calls = []
+    real = PackedLinear.forward
+    monkeypatch.setattr(PackedLinear, "forward", lambda self, x: (calls.append(1), real(self, x))[1])
+    with torch.no_grad():
+        got = model(ids).logits
+    assert len(calls) == 2 * len(model.model.layers)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

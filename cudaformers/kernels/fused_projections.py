@@ -43,7 +43,7 @@ def _pack(owner: nn.Module, linears: list[nn.Linear], name: str) -> bool:
     if hasattr(owner, name):
         return False
     if stackable(linears):  # quantized projections: one stacked quantized matmul
-        setattr(owner, name, pack_quantized(linears))
+        setattr(owner, name, pack_quantized(linears).train(owner.training))
         return True
     if not all(type(m) is nn.Linear for m in linears):
         return False
@@ -59,7 +59,9 @@ def _pack(owner: nn.Module, linears: list[nn.Linear], name: str) -> bool:
         if bias is not None:
             m.bias = nn.Parameter(bias[start:start + n], requires_grad=m.bias.requires_grad)
         start += n
-    setattr(owner, name, PackedLinear(packed, bias, sizes))
+    # In the owner's mode: a model packed after .eval() must not get packed layers that think they
+    # train (the packed matmul, and every fold past it, runs only outside training).
+    setattr(owner, name, PackedLinear(packed, bias, sizes).train(owner.training))
     return True
 
 
@@ -100,14 +102,50 @@ def fuse_projections(model: nn.Module) -> int:
     return count
 
 
+# (packed attribute, the projections it packs, the bound method that runs it)
+_PACKS = (("packed_qkv", ("q_proj", "k_proj", "v_proj"), "project_qkv"),
+          ("packed_gate_up", ("gate_proj", "up_proj"), "project_gate_up"))
+
+
+def relink_projections(model: nn.Module) -> int:
+    """Points packed projections back into their packed matrix after ``model.to()`` / ``.half()`` /
+    ``.cuda()``, which move every parameter and buffer on its own: the projections would otherwise
+    hold copies apart from the packed matrix, so the packed matmul (and every fold past it) would
+    quietly stop running, and the weights would sit on the device twice. Returns how many."""
+    count = 0
+    for module in model.modules():
+        for name, attrs, _ in _PACKS:
+            packed = getattr(module, name, None)
+            if type(packed) is not PackedLinear:
+                continue
+            linears = [getattr(module, attr) for attr in attrs]
+            if not all(type(m) is nn.Linear for m in linears):
+                continue  # replaced or wrapped since: _usable keeps the separate path
+            if linears[0].weight.data_ptr() == packed.weight.data_ptr():
+                continue
+            pieces = [("weight", packed.weight)] + ([("bias", packed.bias)] if packed.bias is not None else [])
+            if any(getattr(m, attr) is None or getattr(m, attr).device != whole.device
+                   or getattr(m, attr).dtype != whole.dtype for m in linears for attr, whole in pieces):
+                continue
+            for attr, whole in pieces:
+                start = 0
+                for m in linears:
+                    param = getattr(m, attr)
+                    n = param.shape[0]
+                    whole[start:start + n].copy_(param.detach())
+                    param.data = whole[start:start + n]
+                    start += n
+            count += 1
+    return count
+
+
 def unpack_projections(model: nn.Module) -> int:
     """Undoes ``fuse_projections``: each projection gets its own storage again. Needed before a
     transform replaces the parameters (FSDP, tensor parallelism, DeepSpeed), which would otherwise
     leave the packed matrix holding a second, full copy of the weights."""
     count = 0
     for module in model.modules():
-        for name, linears, method in (("packed_qkv", ("q_proj", "k_proj", "v_proj"), "project_qkv"),
-                                      ("packed_gate_up", ("gate_proj", "up_proj"), "project_gate_up")):
+        for name, linears, method in _PACKS:
             from ..quant.packing import PackedQuantLinear, unpack_quantized
 
             if isinstance(getattr(module, name, None), PackedQuantLinear):

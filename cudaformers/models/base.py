@@ -29,6 +29,14 @@ class PreTrainedModel(nn.Module):
         self.fused_loss = None
         self._choices: dict[str, str] = {}
 
+    def _apply(self, fn, recurse=True):
+        # .to() / .half() / .cuda() move every tensor on its own: packed projections are relinked after.
+        from ..kernels.fused_projections import relink_projections
+
+        out = super()._apply(fn, recurse)
+        relink_projections(self)
+        return out
+
     # -- properties users expect ------------------------------------------------------------------
     @property
     def device(self) -> torch.device:

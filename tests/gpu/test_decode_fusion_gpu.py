@@ -169,7 +169,8 @@ def _qwen3_06b_shaped(seed=0, dtype=torch.bfloat16):
 
 
 @pytest.mark.parametrize("attn", ["triton", "sdpa"])
-def test_qwen3_06b_shaped_decode_with_folded_norms(attn):
+def test_qwen3_06b_shaped_decode_with_folded_norms(attn, monkeypatch):
+    from cudaformers.kernels import fused_norm_decode
     from cudaformers.kernels.hub import KernelConfig, kernelize
 
     model = _qwen3_06b_shaped()
@@ -178,7 +179,11 @@ def test_qwen3_06b_shaped_decode_with_folded_norms(attn):
     kw = dict(max_new_tokens=32, do_sample=False, eos_token_id=None)
     kernelize(model)  # the CUDA defaults: every decode kernel, the folded norms among them
     assert "DecoderLayer -> cudaformers:fused_norm_decode" in model.explain()
+    folded, real_fold = [], fused_norm_decode._fold
+    monkeypatch.setattr(fused_norm_decode, "_fold", lambda *a: (lambda r: (folded.append(r is not None), r)[1])(
+        real_fold(*a)))
     graph = model.generate(ids, use_cuda_graph=True, **kw)
+    assert any(folded), "no norm folded: the comparison below would be the unfused path against itself"
     assert torch.equal(graph, model.generate(ids, use_cuda_graph=False, **kw))
     with torch.no_grad():
         fused_logits = model(graph[:, :13]).logits[:, -1].float()

@@ -102,11 +102,11 @@ def test_fused_store_in_a_cuda_graph():
         assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
 
 
-def _qwen3_06b_shaped(seed=0):
+def _qwen3_06b_shaped(seed=0, dtype=torch.bfloat16):
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from test_decode_fusion_gpu import _qwen3_06b_shaped as shaped
 
-    return shaped(seed)
+    return shaped(seed, dtype)
 
 
 @pytest.mark.timeout(600)  # a cold Triton cache autotunes the fp32 prefill kernels first (> 120 s)
@@ -120,7 +120,7 @@ def test_qwen3_06b_shaped_generate_and_engine_equal_the_unfused_store_in_fp32(at
 
     # fp32: the fused and unfused kernels may differ in the last bit of a k (see above), which bf16
     # greedy decoding can turn into a different token at a near-tie; in fp32 the tokens must agree.
-    model = _qwen3_06b_shaped().to(torch.float32)
+    model = _qwen3_06b_shaped(dtype=torch.float32)  # built in fp32: a .to() would unpack q/k/v
     model.set_attn_implementation(attn)
     kernelize(model)
     assert "rotary_pos_emb -> cudaformers:qk_norm_rope" in model.explain()
