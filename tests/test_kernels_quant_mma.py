@@ -199,3 +199,24 @@ def test_one_row_against_long_weight_rows_takes_its_own_default():
     expected = quant_matmul_reference(x.double(), _as_double(w))
     out = quant_mma(x, w)
     assert (out.double() - expected).abs().le(_ulp(expected, torch.bfloat16) * 1.01 + 1e-6).all()
+
+
+def test_one_row_with_too_few_programs_goes_to_the_fma_gemv(monkeypatch):
+    """At one row the tensor-core kernel is used only where its tiling makes two programs per SM (8
+    SMs stand for a CPU): 40 rows make 2 programs and go to the FMA GEMV; 600 rows make 19 and come
+    here; at two rows it is always here."""
+    import cudaformers.kernels.quant_mma as qmma
+    from cudaformers.kernels import quant_matmul as qm
+
+    launched = []
+    real = qmma.quant_mma
+    monkeypatch.setattr(qmma, "quant_mma", lambda *a, **k: (launched.append(a[1].out_features), real(*a, **k))[1])
+    for n, rows, here in ((40, 1, False), (600, 1, True), (40, 2, True)):
+        w = _layer(Int4Config(group_size=128), n, 256, torch.bfloat16, bias=False).packed()
+        x = torch.randn(rows, 256, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(n))
+        assert qmma.preferred(x, w) is here
+        launched.clear()
+        out = qm.quant_matmul_triton(x, w)
+        assert launched == ([n] if here else [])
+        expected = quant_matmul_reference(x.double(), _as_double(w))
+        assert (out.double() - expected).abs().le(_ulp(expected, torch.bfloat16) * 2.01 + 1e-6).all()

@@ -269,7 +269,7 @@ def quant_matmul_triton(x: torch.Tensor, w: PackedWeight, bias=None) -> torch.Te
     if USE_MMA:
         from . import quant_mma
 
-        if quant_mma.supports(x, w):
+        if quant_mma.supports(x, w) and quant_mma.preferred(x, w):
             return quant_mma.quant_mma(x, w, bias)
     if m == 1:
         from .quant_gemv import quant_gemv

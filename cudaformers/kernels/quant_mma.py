@@ -225,6 +225,20 @@ def supports(x: torch.Tensor, w: PackedWeight) -> bool:
     return 1 <= x.shape[0] <= MAX_ROWS and w.block * w.bits // 32 >= 16 and w.scales2 is None
 
 
+def preferred(x: torch.Tensor, w: PackedWeight) -> bool:
+    """Whether a call ``supports`` serves is faster here than on the FMA GEMV (``quant_gemv.py``):
+    always for 2-16 rows; for one row only where the default tiling makes at least two programs per
+    SM. qwen3-8b's o projection (4096 x 4096) gets 256 on an H200's 132 SMs and measured 8.2-8.7 us
+    here against 7.3-7.4 on the FMA GEMV (bench/RESULTS.md runs 13 and 14, int4); q/k/v (384
+    programs), gate/up (768) and down (512) are faster here."""
+    if x.shape[0] > 1:
+        return True
+    n = w.out_features
+    n_blocks = w.qweight.shape[1] * 8 // w.bits // w.block
+    block_n, _, split, _, _ = default_tiles(n, n_blocks, x.device, 1)
+    return triton.cdiv(n, block_n) * split >= 2 * sm_count(x.device)
+
+
 def default_tiles(n: int, n_blocks: int, device: torch.device, rows: int = MAX_ROWS) -> tuple[int, int, int, int, int]:
     """(BLOCK_N, GROUPS, SPLIT, num_warps, num_stages): 32-row tiles of two blocks a step, four stages,
     two warps; the blocks split over programs until there are 1.5 per SM, each split keeping at
