@@ -275,13 +275,20 @@ def test_tiny_model_decodes_the_same_with_the_fused_attention(name, dtype, gener
 def test_not_taken_on_another_backend_nor_under_pdl(fused_calls, monkeypatch):
     from cudaformers.kernels import fused_norm_decode
 
+    reasons = set()
+    real = fused_norm_decode._attention_declines
+    monkeypatch.setattr(fused_norm_decode, "_attention_declines", lambda *a: (lambda r: (reasons.add(r), r)[1])(
+        real(*a)))
     _decode(_model("qwen3", "sdpa"), monkeypatch, fuse=True, generate=False)
     assert not fused_calls  # and FUSE_ATTENTION = False: see the test above
+    assert any(r and "backend" in r for r in reasons), reasons  # says why
     # Under PDL the two launches measured faster: the fused one only where asked for.
     monkeypatch.setattr(fused_norm_decode, "pdl_enabled", lambda device: True)
     model = _model("qwen3", "triton")
+    reasons.clear()
     _decode(model, monkeypatch, fuse=True, generate=False)
     assert not fused_calls
+    assert "PDL is on and FUSE_ATTENTION_WITH_PDL off" in reasons
     monkeypatch.setattr(fused_norm_decode, "FUSE_ATTENTION_WITH_PDL", True)
     _decode(model, monkeypatch, fuse=True, generate=False)
     assert fused_calls == [2] * 3 * len(model.model.layers)
