@@ -118,3 +118,26 @@ def test_moving_the_model_keeps_its_projections_packed(monkeypatch):
         got = model(ids).logits
     assert len(calls) == 2 * len(model.model.layers)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_moving_a_quantized_model_restacks_its_projections(monkeypatch):
+    """A quantized model's stacked projections sit outside the module tree; a move (here every tensor
+    copied, as a device move does) stacks them again from the moved projections."""
+    from cudaformers import Int4Config
+    from cudaformers.quant.packing import PackedQuantLinear
+
+    model = AutoModelForCausalLM.from_pretrained(tiny.checkpoint("qwen3"), quantization_config=Int4Config(group_size=32))
+    attn = model.model.layers[0].self_attn
+    assert isinstance(attn.packed_qkv, PackedQuantLinear)
+    ids = torch.randint(3, 211, (1, 7))
+    with torch.no_grad():
+        want = model(ids).logits
+    model._apply(lambda t: t.clone())
+    assert attn.q_proj.weight.data_ptr() == attn.packed_qkv.layer.weight.data_ptr()
+    assert not attn.packed_qkv.training
+    calls = []
+    real = PackedQuantLinear.forward
+    monkeypatch.setattr(PackedQuantLinear, "forward", lambda self, x: (calls.append(1), real(self, x))[1])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, want, atol=0, rtol=0)
+    assert len(calls) == 2 * len(model.model.layers)

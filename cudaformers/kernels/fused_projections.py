@@ -111,14 +111,24 @@ def relink_projections(model: nn.Module) -> int:
     """Points packed projections back into their packed matrix after ``model.to()`` / ``.half()`` /
     ``.cuda()``, which move every parameter and buffer on its own: the projections would otherwise
     hold copies apart from the packed matrix, so the packed matmul (and every fold past it) would
-    quietly stop running, and the weights would sit on the device twice. Returns how many."""
+    quietly stop running, and the weights would sit on the device twice. Quantized packs are
+    stacked again from the moved projections. Returns how many."""
+    from ..quant.packing import PackedQuantLinear, pack_quantized, stackable
+
     count = 0
-    for module in model.modules():
+    for module in list(model.modules()):
         for name, attrs, _ in _PACKS:
             packed = getattr(module, name, None)
+            linears = [getattr(module, attr, None) for attr in attrs]
+            if isinstance(packed, PackedQuantLinear):
+                # The stacked layer sits outside the module tree, so it did not move at all:
+                # stacked again from the moved projections, which become its views.
+                if stackable(linears) and linears[0].weight.data_ptr() != packed.layer.weight.data_ptr():
+                    setattr(module, name, pack_quantized(linears).train(packed.training))
+                    count += 1
+                continue
             if type(packed) is not PackedLinear:
                 continue
-            linears = [getattr(module, attr) for attr in attrs]
             if not all(type(m) is nn.Linear for m in linears):
                 continue  # replaced or wrapped since: _usable keeps the separate path
             if linears[0].weight.data_ptr() == packed.weight.data_ptr():
