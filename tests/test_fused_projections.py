@@ -141,3 +141,38 @@ def test_moving_a_quantized_model_restacks_its_projections(monkeypatch):
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, want, atol=0, rtol=0)
     assert len(calls) == 2 * len(model.model.layers)
+
+
+def test_shared_memory_reaches_the_packed_matrix():
+    """share_memory() is a move too: the restacked packed matrix, which the projections view, is shared."""
+    model = AutoModelForCausalLM.from_pretrained(tiny.checkpoint("qwen3")).eval()
+    model.share_memory()
+    attn = model.model.layers[0].self_attn
+    assert attn.packed_qkv.weight.is_shared() and attn.q_proj.weight.is_shared()
+    assert attn.q_proj.weight.data_ptr() == attn.packed_qkv.weight.data_ptr()
+
+
+def test_a_move_that_fails_half_way_leaves_the_projections_unpacked():
+    from cudaformers.kernels.fused_projections import PackedLinear
+
+    model = AutoModelForCausalLM.from_pretrained(tiny.checkpoint("qwen3")).eval()
+    ids = torch.randint(3, 211, (1, 7))
+    with torch.no_grad():
+        want = model(ids).logits
+    moved = []
+
+    def fails_on_the_third(t):  # a move that runs out of memory: q moved, k not, then the error
+        if len(moved) == 2:
+            raise RuntimeError("out of memory")
+        moved.append(1)
+        return t.double()
+
+    try:
+        model._apply(fails_on_the_third)
+    except RuntimeError:
+        pass
+    attn = model.model.layers[0].self_attn
+    assert not isinstance(getattr(attn, "packed_qkv", None), PackedLinear)
+    model._apply(lambda t: t.float())
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, want)

@@ -107,46 +107,57 @@ _PACKS = (("packed_qkv", ("q_proj", "k_proj", "v_proj"), "project_qkv"),
           ("packed_gate_up", ("gate_proj", "up_proj"), "project_gate_up"))
 
 
-def relink_projections(model: nn.Module) -> int:
-    """Points packed projections back into their packed matrix after ``model.to()`` / ``.half()`` /
-    ``.cuda()``, which move every parameter and buffer on its own: the projections would otherwise
-    hold copies apart from the packed matrix, so the packed matmul (and every fold past it) would
-    quietly stop running, and the weights would sit on the device twice. Quantized packs are
-    stacked again from the moved projections. Returns how many."""
+def release_packed(model: nn.Module) -> list:
+    """Drops the packed matrices (float packs whose projections are still their views) before
+    ``model.to()`` / ``.half()`` / ``.cuda()``: the move then carries the projections alone, and
+    ``relink_projections`` stacks each packed matrix again from them, one layer at a time. Moved
+    along, every tensor on its own, the packed matrices would hold the q/k/v and gate/up weights a
+    second time on the target, and the projections would no longer be their views (the packed matmul,
+    and every fold past it, would quietly stop running)."""
+    released = []
+    for module in model.modules():
+        for name, attrs, method in _PACKS:
+            packed = getattr(module, name, None)
+            linears = [getattr(module, attr, None) for attr in attrs]
+            if (type(packed) is PackedLinear and all(type(m) is nn.Linear for m in linears)
+                    and linears[0].weight.data_ptr() == packed.weight.data_ptr()):
+                released.append((module, name, method, linears, packed.bias is not None))
+                packed.weight, packed.bias = None, None
+    return released
+
+
+def relink_projections(model: nn.Module, released: list, fn=None) -> None:
+    """After a move: stacks each released packed matrix from its moved projections (``fn``, the
+    move, applied to it too where given: ``share_memory()`` must reach it) and makes them its views
+    again. A
+    pack whose projections no longer agree on device and dtype (a move that failed half way) is
+    dropped, as ``unpack_projections`` would. Quantized packs, whose stacked layer sits outside the
+    module tree and so stayed behind, are stacked again from the moved projections."""
     from ..quant.packing import PackedQuantLinear, pack_quantized, stackable
 
-    count = 0
+    for module, name, method, linears, has_bias in released:
+        packed = getattr(module, name)
+        attrs = ("weight", "bias") if has_bias else ("weight",)
+        parts = {attr: [getattr(m, attr) for m in linears] for attr in attrs}
+        if len({(p.device, p.dtype) for ps in parts.values() for p in ps}) != 1:
+            delattr(module, name)
+            module.__dict__.pop(method, None)
+            continue
+        for attr, ps in parts.items():
+            whole = torch.cat([p.detach() for p in ps])
+            whole = whole if fn is None else fn(whole)
+            setattr(packed, attr, whole)
+            start = 0
+            for p in ps:
+                p.data = whole[start:start + p.shape[0]]
+                start += p.shape[0]
     for module in list(model.modules()):
         for name, attrs, _ in _PACKS:
             packed = getattr(module, name, None)
             linears = [getattr(module, attr, None) for attr in attrs]
-            if isinstance(packed, PackedQuantLinear):
-                # The stacked layer sits outside the module tree, so it did not move at all:
-                # stacked again from the moved projections, which become its views.
-                if stackable(linears) and linears[0].weight.data_ptr() != packed.layer.weight.data_ptr():
-                    setattr(module, name, pack_quantized(linears).train(packed.training))
-                    count += 1
-                continue
-            if type(packed) is not PackedLinear:
-                continue
-            if not all(type(m) is nn.Linear for m in linears):
-                continue  # replaced or wrapped since: _usable keeps the separate path
-            if linears[0].weight.data_ptr() == packed.weight.data_ptr():
-                continue
-            pieces = [("weight", packed.weight)] + ([("bias", packed.bias)] if packed.bias is not None else [])
-            if any(getattr(m, attr) is None or getattr(m, attr).device != whole.device
-                   or getattr(m, attr).dtype != whole.dtype for m in linears for attr, whole in pieces):
-                continue
-            for attr, whole in pieces:
-                start = 0
-                for m in linears:
-                    param = getattr(m, attr)
-                    n = param.shape[0]
-                    whole[start:start + n].copy_(param.detach())
-                    param.data = whole[start:start + n]
-                    start += n
-            count += 1
-    return count
+            if (isinstance(packed, PackedQuantLinear) and stackable(linears)
+                    and linears[0].weight.data_ptr() != packed.layer.weight.data_ptr()):
+                setattr(module, name, pack_quantized(linears).train(packed.training))
 
 
 def unpack_projections(model: nn.Module) -> int:

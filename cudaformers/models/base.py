@@ -30,12 +30,17 @@ class PreTrainedModel(nn.Module):
         self._choices: dict[str, str] = {}
 
     def _apply(self, fn, recurse=True):
-        # .to() / .half() / .cuda() move every tensor on its own: packed projections are relinked after.
-        from ..kernels.fused_projections import relink_projections
+        # .to() / .half() / .cuda() move every tensor on its own: packed projections are released
+        # before and stacked again after (kernels/fused_projections.py).
+        from ..kernels.fused_projections import relink_projections, release_packed
 
-        out = super()._apply(fn, recurse)
-        relink_projections(self)
-        return out
+        released, moved = release_packed(self), False
+        try:
+            out = super()._apply(fn, recurse)
+            moved = True
+            return out
+        finally:  # also after a failed move: the model stays usable, unpacked where it must be
+            relink_projections(self, released, fn if moved else None)
 
     # -- properties users expect ------------------------------------------------------------------
     @property
