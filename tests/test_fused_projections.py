@@ -176,3 +176,17 @@ def test_a_move_that_fails_half_way_leaves_the_projections_unpacked():
     model._apply(lambda t: t.float())
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, want)
+
+
+def test_moving_a_model_with_adapters_keeps_one_copy_of_the_base_weights():
+    model = AutoModelForCausalLM.from_pretrained(tiny.checkpoint("llama")).eval()
+    peft = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "up_proj"]))
+    ids = torch.randint(3, 211, (1, 8))
+    with torch.no_grad():
+        want = peft(ids).logits.double()
+    peft.to(torch.float64)
+    attn = model.model.layers[0].self_attn
+    assert attn.q_proj.base_layer.weight.data_ptr() == attn.packed_qkv.weight.data_ptr()
+    assert attn.k_proj.weight.dtype == torch.float64
+    with torch.no_grad():
+        torch.testing.assert_close(peft(ids).logits, want, atol=1e-5, rtol=1e-5)

@@ -118,7 +118,8 @@ def release_packed(model: nn.Module) -> list:
     for module in model.modules():
         for name, attrs, method in _PACKS:
             packed = getattr(module, name, None)
-            linears = [getattr(module, attr, None) for attr in attrs]
+            # an adapter's wrapped layer counts: its base weights are still the views
+            linears = [getattr(m, "base_layer", m) for m in (getattr(module, attr, None) for attr in attrs)]
             if (type(packed) is PackedLinear and all(type(m) is nn.Linear for m in linears)
                     and linears[0].weight.data_ptr() == packed.weight.data_ptr()):
                 released.append((module, name, method, linears, packed.bias is not None))
