@@ -190,3 +190,23 @@ def test_moving_a_model_with_adapters_keeps_one_copy_of_the_base_weights():
     assert attn.k_proj.weight.dtype == torch.float64
     with torch.no_grad():
         torch.testing.assert_close(peft(ids).logits, want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_move_that_moves_nothing_keeps_the_packed_storage():
+    """.cuda() on the GPU, .float() in fp32: the same tensors, so the packed matrix keeps its storage
+    (CUDA graphs captured before point at it)."""
+    model = AutoModelForCausalLM.from_pretrained(tiny.checkpoint("qwen3")).eval()
+    attn = model.model.layers[0].self_attn
+    before = attn.packed_qkv.weight.data_ptr()
+    model.float()
+    assert attn.packed_qkv.weight.data_ptr() == before == attn.q_proj.weight.data_ptr()
+
+
+def test_a_move_drops_the_cached_decode_runners():
+    model = AutoModelForCausalLM.from_pretrained(tiny.checkpoint("qwen3")).eval()
+    ids = torch.randint(3, 211, (1, 5))
+    want = model.generate(ids, max_new_tokens=3, do_sample=False)
+    assert model.__dict__.get("_decode_runners")
+    model.to(torch.float64)
+    assert not model.__dict__.get("_decode_runners")
+    assert model.generate(ids, max_new_tokens=3, do_sample=False).shape == want.shape

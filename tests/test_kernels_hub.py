@@ -100,3 +100,15 @@ def test_cli_lists_layer_types(capsys):
     assert "MoeExperts" not in out  # a dense model has no experts
     assert main(["kernels", "--device", "cpu"]) == 0
     assert "MoeExperts" in capsys.readouterr().out
+
+
+def test_kernels_are_chosen_again_where_the_model_moves():
+    """Kernels follow the device, as they follow the mode: a model loaded where its mapping keeps plain
+    layers gets its kernels once moved where the mapping has them (the meta device stands in for a
+    GPU here: the mapping names it)."""
+    mapping = {"RMSNorm": {"cpu": "", "meta": "cudaformers:rms_norm"}}
+    model = AutoModelForCausalLM.from_pretrained(tiny.checkpoint("llama"), kernel_config=KernelConfig(mapping))
+    assert _swapped(model) == []
+    model.to("meta")
+    assert _swapped(model) == ["RMSNorm"]
+    assert "RMSNorm -> cudaformers:rms_norm" in model.explain()

@@ -122,7 +122,7 @@ def release_packed(model: nn.Module) -> list:
             linears = [getattr(m, "base_layer", m) for m in (getattr(module, attr, None) for attr in attrs)]
             if (type(packed) is PackedLinear and all(type(m) is nn.Linear for m in linears)
                     and linears[0].weight.data_ptr() == packed.weight.data_ptr()):
-                released.append((module, name, method, linears, packed.bias is not None))
+                released.append((module, name, method, linears, (packed.weight, packed.bias)))
                 packed.weight, packed.bias = None, None
     return released
 
@@ -136,15 +136,18 @@ def relink_projections(model: nn.Module, released: list, fn=None) -> None:
     module tree and so stayed behind, are stacked again from the moved projections."""
     from ..quant.packing import PackedQuantLinear, pack_quantized, stackable
 
-    for module, name, method, linears, has_bias in released:
+    for module, name, method, linears, before in released:
         packed = getattr(module, name)
-        attrs = ("weight", "bias") if has_bias else ("weight",)
+        attrs = ("weight", "bias") if before[1] is not None else ("weight",)
         parts = {attr: [getattr(m, attr) for m in linears] for attr in attrs}
         if len({(p.device, p.dtype) for ps in parts.values() for p in ps}) != 1:
             delattr(module, name)
             module.__dict__.pop(method, None)
             continue
-        for attr, ps in parts.items():
+        for (attr, ps), old in zip(parts.items(), before):
+            if all(p.untyped_storage().data_ptr() == old.untyped_storage().data_ptr() for p in ps):
+                setattr(packed, attr, old)  # nothing moved (.cuda() on the GPU): the same storage
+                continue
             whole = torch.cat([p.detach() for p in ps])
             whole = whole if fn is None else fn(whole)
             setattr(packed, attr, whole)

@@ -354,6 +354,13 @@ def _mode_hook(model, training: bool) -> None:
         _record(model, _apply(model, model._kernel_config, "training" if training else "inference"))
 
 
+def follow_device(model) -> None:
+    """After a move: the kernels of a kernelized model chosen again for where it is now, as on a mode
+    change (``use_kernels=True`` on a CPU load chose plain layers; moved to a GPU it gets its kernels)."""
+    if _mode_hook in model.__dict__.get("_mode_hooks", ()):
+        _mode_hook(model, model.training)
+
+
 def _record(model, chosen: dict) -> None:
     parts = [f"{layer} -> {kernel or 'plain'} ({why}, {n}x)" for layer, (kernel, why, n) in chosen.items()]
     model._choices["kernels"] = "; ".join(parts) if parts else "no swappable layers"

@@ -33,14 +33,18 @@ class PreTrainedModel(nn.Module):
         # .to() / .half() / .cuda() move every tensor on its own: packed projections are released
         # before and stacked again after (kernels/fused_projections.py).
         from ..kernels.fused_projections import relink_projections, release_packed
+        from ..kernels.hub import follow_device
 
         released, moved = release_packed(self), False
         try:
             out = super()._apply(fn, recurse)
             moved = True
-            return out
         finally:  # also after a failed move: the model stays usable, unpacked where it must be
             relink_projections(self, released, fn if moved else None)
+        # Decode runners hold KV caches and CUDA graphs of the tensors as they were: made again on demand.
+        self.__dict__.pop("_decode_runners", None)
+        follow_device(self)
+        return out
 
     # -- properties users expect ------------------------------------------------------------------
     @property
