@@ -130,10 +130,10 @@ def release_packed(model: nn.Module) -> list:
 def relink_projections(model: nn.Module, released: list, fn=None) -> None:
     """After a move: stacks each released packed matrix from its moved projections (``fn``, the
     move, applied to it too where given: ``share_memory()`` must reach it) and makes them its views
-    again. A
-    pack whose projections no longer agree on device and dtype (a move that failed half way) is
-    dropped, as ``unpack_projections`` would. Quantized packs, whose stacked layer sits outside the
-    module tree and so stayed behind, are stacked again from the moved projections."""
+    again; where nothing moved, the old matrix is kept. A pack whose projections no longer agree on
+    device and dtype (a move that failed half way) is dropped, as ``unpack_projections`` would.
+    Quantized packs, whose stacked layer sits outside the module tree and so stayed behind, are
+    stacked again from the moved projections."""
     from ..quant.packing import PackedQuantLinear, pack_quantized, stackable
 
     for module, name, method, linears, before in released:
