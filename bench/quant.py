@@ -148,7 +148,7 @@ def bench_gemv_tiles(methods, bw, env, json_path) -> list[dict]:
                 nbytes = _layer_bytes(layer)
                 copies = [c.packed() for c in _copies(layer, nbytes)]
                 x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-                n_blocks = w.qweight.shape[1] * 8 // w.bits // w.block
+                n_blocks = w.n_blocks
                 default = gemv_tiles(n, n_blocks, w.block * w.bits // 32, x.device, int4=w.fmt == "int4")
                 blocks = sorted({max(1, default[1] // 2), default[1], min(default[1] * 2, n_blocks)})
                 for tiles in itertools.product((1, 2, 4, 8, 16), blocks, sorted({default[2], 8})):
@@ -234,7 +234,7 @@ def bench_mma(methods, bw, env, json_path, tilings=None, ms=(1, 16)) -> list[dic
             layer = quantize(holder, method_config(method))[0]
             nbytes = _layer_bytes(layer)
             copies = [c.packed() for c in _copies(layer, nbytes)]
-            n_blocks = copies[0].qweight.shape[1] * 8 // copies[0].bits // copies[0].block
+            n_blocks = copies[0].n_blocks
             for m in ms:
                 # int8 runs on tensor cores for fp16 x only
                 x = torch.randn(m, k, device="cuda", dtype=torch.float16 if method == "int8" else torch.bfloat16)

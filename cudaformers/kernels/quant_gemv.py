@@ -196,7 +196,7 @@ def quant_gemv(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = Non
     n, k = w.out_features, w.in_features
     fmt = _FMT_IDS[w.fmt]
     words = w.qweight.view(torch.int32)  # rows are whole blocks of whole words (quant_matmul.check_packed)
-    n_blocks = words.shape[1] * 32 // w.bits // w.block
+    n_blocks = w.n_blocks
     wpb = w.block * w.bits // 32
     block_n, blocks, warps = tiles or gemv_tiles(n, n_blocks, wpb, x.device, int4=w.fmt == "int4")
     out = torch.empty(1, n, device=x.device, dtype=x.dtype)

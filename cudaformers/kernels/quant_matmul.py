@@ -66,6 +66,11 @@ class PackedWeight:
     def bits(self) -> int:
         return 8 if self.fmt == "int8" else 4
 
+    @property
+    def n_blocks(self) -> int:
+        """Packing blocks per row (K padded to whole blocks)."""
+        return self.qweight.shape[1] * 8 // self.bits // self.block
+
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -284,7 +289,7 @@ def quant_matmul_triton(x: torch.Tensor, w: PackedWeight, bias=None) -> torch.Te
     while block_n > 16 and tiles_m * triton.cdiv(n, block_n) < 2 * sm_count(x.device):
         block_n //= 2
     grid = (tiles_m, triton.cdiv(n, block_n))
-    n_blocks = w.qweight.shape[1] * 8 // w.bits // w.block
+    n_blocks = w.n_blocks
     words = w.qweight.view(torch.int32)
     _gemm_kernel[grid](x, words, *kernel_args(w)[1:], bias if bias is not None else out, out, m, n, k, n_blocks,
                        x.stride(0), words.stride(0), FMT=fmt, BLOCK=w.block, BLOCK_M=block_m, BLOCK_N=block_n,

@@ -234,8 +234,7 @@ def preferred(x: torch.Tensor, w: PackedWeight) -> bool:
     if x.shape[0] > 1:
         return True
     n = w.out_features
-    n_blocks = w.qweight.shape[1] * 8 // w.bits // w.block
-    block_n, _, split, _, _ = default_tiles(n, n_blocks, x.device, 1)
+    block_n, _, split, _, _ = default_tiles(n, w.n_blocks, x.device, 1)
     return triton.cdiv(n, block_n) * split >= 2 * sm_count(x.device)
 
 
@@ -277,7 +276,7 @@ def quant_mma(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None
         use_asm = not interpreting()
     asm = _unpack_asm(bits, fp16, zero) if use_asm else ""
     words = w.qweight.view(torch.int32)
-    n_blocks = words.shape[1] * 32 // bits // w.block
+    n_blocks = w.n_blocks
     block_n, groups, split, warps, stages = tiles or default_tiles(n, n_blocks, x.device, m)
     # Each split gets whole steps of GROUPS blocks; a split left without blocks is dropped.
     per_split = triton.cdiv(triton.cdiv(n_blocks, split), groups) * groups

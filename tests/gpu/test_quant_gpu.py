@@ -97,7 +97,7 @@ def test_gemv_every_tiling_at_model_size(fmt, block_n):
 
     w = _packed(fmt, torch.randn(6144, 4096, device="cuda") * 0.02)
     x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
-    n_blocks = w.qweight.shape[1] * 8 // w.bits // w.block
+    n_blocks = w.n_blocks
     tiles = (block_n, *gemv_tiles(6144, n_blocks, w.block * w.bits // 32, x.device)[1:])
     err, bound = _bound(quant_gemv(x, w, tiles=tiles), x, w)
     assert err <= bound
