@@ -91,9 +91,6 @@ for part in "${parts[@]}"; do
                         --methods "${QUANT_METHODS:-bf16,int4,int4_fma,int4_head,int8,int8_fma}" --json "$OUT/results.jsonl" ;;
     quant-head) run quant-head 120 python3 bench/quant.py --parts decode --shapes qwen3-8b \
                   --methods bf16,int4,int4_head,int8,int8_head --json "$OUT/results.jsonl" ;;
-    quant-staged) run quant-staged 150 python3 bench/quant.py --parts staged --shapes qwen3-8b --methods int4,int8 \
-                    --layers "${QUANT_LAYERS:-qkv,gate_up,down,o}" \
-                    --json "$OUT/results.jsonl" ;;
     quant-ncu) run quant-ncu 240 ncu --clock-control none --profile-from-start off --section SpeedOfLight \
                  --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
                  --section MemoryWorkloadAnalysis --print-details all \
@@ -115,6 +112,9 @@ for part in "${parts[@]}"; do
            python3 bench/distributed.py report --json "$OUT/multi.jsonl" ;;
     inputs-ab) run inputs-ab 150 python3 bench/generate.py --skip-hf --workloads W1,W3 --check-eager \
                  --variants triton+kernels,triton+kernels+torchinputs,triton+kernels --json "$OUT/results.jsonl" ;;
+    heads-ab) run heads-ab 200 python3 bench/generate.py --skip-hf --workloads W1 --check-eager \
+                --variants triton+kernels,triton+kernels+noheads,triton+kernels,triton+kernels+noheads \
+                --json "$OUT/results.jsonl" ;;
     fold-ab) run fold-ab 200 python3 bench/generate.py --skip-hf --workloads W1,W2,W3 \
                --variants triton+kernels,triton+kernels+nofold --json "$OUT/results.jsonl" ;;
     attention-graph) run attention-graph 200 python3 -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider -n 8 \

@@ -1,7 +1,7 @@
 """One launch of each quantized decode kernel for a hardware-counter profiler to read.
 
     ncu --clock-control none --profile-from-start off --section SpeedOfLight ... python bench/profile_quant.py
-        [--layers gate_up,down] [--methods int4,int8] [--kernels fma,mma,bf16,staged] [--staged-tiles 8,16,4,3]
+        [--layers gate_up,down] [--methods int4,int8] [--kernels fma,mma,bf16]
 
 Each kernel first runs a few times (compile, autotune, warm the caches of its launch path) outside the
 profiled range; then ``cudaProfilerStart`` opens the range and each case launches once, so the
@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quant import KERNEL_SHAPES, _bf16_layer, method_config  # noqa: E402
 
 
-def cases(layers, methods, kernels, staged=(8, 16, 4, 3)):
+def cases(layers, methods, kernels):
     from cudaformers.kernels.quant_mma import quant_mma, supports
     from cudaformers.quant.apply import quantize
 
@@ -37,9 +37,6 @@ def cases(layers, methods, kernels, staged=(8, 16, 4, 3)):
 
             if "fma" in kernels:
                 yield f"{label} {method} fma", (lambda w=w, x=x: quant_gemv(x, w))
-            if "staged" in kernels:  # the shared-memory-pipelined GEMV at --staged-tiles
-                yield f"{label} {method} staged{staged}", (
-                    lambda w=w, x=x: quant_gemv(x, w, tiles=staged[:3], stages=staged[3]))
             xm = x.half() if method == "int8" else x
             if "mma" in kernels and supports(xm, w):
                 yield f"{label} {method} mma", (lambda w=w, xm=xm: quant_mma(xm, w))
@@ -49,11 +46,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", default="gate_up,down")
     ap.add_argument("--methods", default="int4,int8")
-    ap.add_argument("--kernels", default="fma,mma,bf16", help="any of fma, mma, bf16, staged")
-    ap.add_argument("--staged-tiles", default="8,16,4,3", help="staged: BLOCK_N,BLOCKS,warps,stages")
+    ap.add_argument("--kernels", default="fma,mma,bf16", help="any of fma, mma, bf16")
     args = ap.parse_args()
-    todo = list(cases(args.layers.split(","), args.methods.split(","), args.kernels.split(","),
-                      tuple(int(v) for v in args.staged_tiles.split(","))))
+    todo = list(cases(args.layers.split(","), args.methods.split(","), args.kernels.split(",")))
     with torch.no_grad():
         for _, fn in todo:
             for _ in range(3):

@@ -1,14 +1,12 @@
 """Quantized inference and QLoRA on one GPU: kernels, W1/W2 decode per method, and a QLoRA step.
 
-    python bench/quant.py [--parts kernels,tiles,staged,mma,decode,qlora] [--shapes qwen3-0.6b,qwen3-8b]
+    python bench/quant.py [--parts kernels,tiles,mma,decode,qlora] [--shapes qwen3-0.6b,qwen3-8b]
                           [--methods bf16,int8,int4,nf4,fp8,int8_head,int4_head] [--json out.jsonl]
 
 kernels: the quantized matmul of each qwen3-8b decode layer shape (q/k/v and gate/up packed) at
 M = 1 and 16 against the bf16 path of use_kernels (GEMV / skinny GEMM): microseconds per call from
 CUDA-graph replays cycling through weight copies larger than L2, GB/s of weight bytes (packed +
-scales) and their share of the measured copy bandwidth. staged: the M = 1 GEMV with its weights
-streamed through shared memory by Triton's software pipeline, at several tilings, against the
-register-pipelined default. tiles: the M = 1 quantized GEMV at each
+scales) and their share of the measured copy bandwidth. tiles: the M = 1 quantized GEMV at each
 BLOCK_N (the default marked), to tune ``quant_gemv.gemv_tiles``. mma: the tensor-core kernel
 (``quant_mma``) at M = 1 and 16 over its tilings, with and without its PTX unpack, beside the kernel it
 replaces. A method ending in ``_fma`` (decode) runs the FMA GEMV instead of the tensor-core kernel. decode: W1/W2 (generate, batch 1, 128-token prompt,
@@ -170,48 +168,6 @@ def bench_gemv_tiles(methods, bw, env, json_path) -> list[dict]:
     return rows
 
 
-# (BLOCK_N, BLOCKS, num_warps, stages) for the shared-memory-pipelined GEMV
-STAGED_TILES = [(8, 16, 2, 3), (8, 16, 4, 3), (8, 8, 2, 4), (4, 16, 2, 4), (8, 8, 4, 4), (16, 8, 4, 3)]
-
-
-def bench_gemv_staged(methods, bw, env, json_path, layers=("qkv", "gate_up", "down", "o")) -> list[dict]:
-    """M = 1: the register double-buffered GEMV at its default tiles against the variant whose weights
-    stream through shared memory (``quant_gemv(..., stages=)``) at STAGED_TILES."""
-    from cudaformers.kernels.quant_gemv import quant_gemv
-    from cudaformers.quant.apply import quantize
-
-    rows = []
-    for method in [m for m in methods if m in ("int8", "int4")]:
-        for label in layers:
-            n, k = KERNEL_SHAPES[label]
-            holder = torch.nn.Sequential(torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16))
-            torch.nn.init.normal_(holder[0].weight, std=0.02)
-            layer = quantize(holder, method_config(method))[0]
-            nbytes = _layer_bytes(layer)
-            copies = [c.packed() for c in _copies(layer, nbytes)]
-            x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-            want = quant_gemv(x, copies[0])
-            for tiles in [None] + STAGED_TILES:
-                try:
-                    def fn(c, t=tiles):
-                        return quant_gemv(x, c) if t is None else quant_gemv(x, c, tiles=t[:3], stages=t[3])
-                    with torch.no_grad():
-                        same = bool(torch.equal(fn(copies[0]), want))
-                        seconds = graph_us([lambda c=c: fn(c) for c in copies]) / 1e6
-                except Exception as e:  # noqa: BLE001 - a tiling that does not compile is reported and skipped
-                    print(f"staged {method} {label} {tiles}: {type(e).__name__}: {str(e)[:160]}")
-                    continue
-                rec = dict(part="gemv_staged", method=method, layer=label, tiles=tiles or "registers",
-                           us=round(seconds * 1e6, 2), bw_share=round(nbytes / seconds / bw, 3), same=same, **env)
-                emit(rec, json_path)
-                rows.append(rec)
-                print(f"staged {method:5} {label:8} {str(rec['tiles']):16} {rec['us']:>8} us "
-                      f"{100 * rec['bw_share']:>4.0f}% same={same}")
-            del copies
-            _free()
-    return rows
-
-
 # (BLOCK_N, GROUPS, SPLIT, num_warps, num_stages); None: the default for the layer
 MMA_TILES = [None, (32, 2, 1, 2, 4), (32, 2, 2, 2, 4), (32, 2, 4, 2, 4), (32, 2, 8, 2, 4), (32, 4, 1, 2, 3),
              (32, 4, 2, 2, 3), (32, 4, 4, 2, 3), (16, 4, 2, 1, 3), (16, 4, 4, 1, 3), (64, 2, 1, 4, 4), (64, 2, 2, 4, 4),
@@ -348,7 +304,6 @@ def main() -> None:
     ap.add_argument("--mma-tiles", default=None, help='mma: a JSON list of tilings to sweep (the default added), '
                     'e.g. "[[64, 2, 1, 2, 3]]"')
     ap.add_argument("--mma-m", default="1,16", help="mma: the rows of x to time")
-    ap.add_argument("--layers", default="qkv,gate_up,down,o", help="staged: the qwen3-8b layers to time")
     ap.add_argument("--shapes", default="qwen3-0.6b,qwen3-8b")
     ap.add_argument("--methods", default="bf16,int8,int4,nf4,fp8")
     ap.add_argument("--json", default=None)
@@ -360,7 +315,6 @@ def main() -> None:
     parts = args.parts.split(",")
     kernels = bench_kernels(methods, bw, env, args.json) if "kernels" in parts else []
     tiles = bench_gemv_tiles(methods, bw, env, args.json) if "tiles" in parts else []
-    staged = bench_gemv_staged(methods, bw, env, args.json, args.layers.split(",")) if "staged" in parts else []
     tilings = [None] + [tuple(t) for t in json.loads(args.mma_tiles)] if args.mma_tiles else None
     mma = bench_mma(methods, bw, env, args.json, tilings, tuple(int(m) for m in args.mma_m.split(","))) \
         if "mma" in parts else []

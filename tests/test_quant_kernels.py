@@ -188,20 +188,6 @@ def test_gemv_tilings_with_bias(fmt, tiles, k):
     assert (out.float() - ref32).abs().max().item() <= bound
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("k", [320, 512], ids=lambda k: f"k{k}")
-def test_gemv_staged_through_shared_memory_equals_the_register_pipeline(fmt, k):
-    """The software-pipelined variant (weights through shared memory) adds the same products in the
-    same order as the register double-buffered kernel: equal outputs, masked tail included."""
-    from cudaformers.kernels.quant_gemv import quant_gemv
-
-    g = torch.Generator().manual_seed(k)
-    w = packed(fmt, torch.randn(29, k, generator=g))
-    x, bias = torch.randn(1, k, generator=g).to(torch.bfloat16), torch.randn(29, generator=g).to(torch.bfloat16)
-    want = quant_gemv(x, w, bias, tiles=(4, 2, 1))
-    assert torch.equal(quant_gemv(x, w, bias, tiles=(4, 2, 1), stages=3), want)
-
-
 def test_gemv_handles_large_and_zero_activations():
     """The activations are pre-scaled by up to 2**85 inside the kernel: large, tiny and zero inputs stay exact."""
     w = packed("int4_sym", torch.randn(16, 256, generator=torch.Generator().manual_seed(11)))

@@ -134,29 +134,6 @@ def _gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, code_ptr, s2_ptr, offset, b_ptr, ou
 
 
 @triton.jit
-def _gemv_staged_kernel(x_ptr, q_ptr, s_ptr, z_ptr, code_ptr, s2_ptr, offset, b_ptr, out_ptr, N, K, n_blocks, ld_q,
-                        FMT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr,
-                        HAS_ZEROS: tl.constexpr, DOUBLE: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-                        USE_PDL: tl.constexpr, STAGES: tl.constexpr):
-    """``_gemv_kernel`` with the weights streamed through shared memory by the software pipeline
-    (``STAGES`` tiles in flight, cp.async) instead of a second tile held in registers: fewer registers
-    a thread, so more warps an SM. The same products in the same order."""
-    W: tl.constexpr = BLOCK * (8 if FMT == 0 else 4) // 32
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    bi = tl.arange(0, BLOCKS)
-    q_rows = q_ptr + rows.to(tl.int64)[:, None, None] * tl.multiple_of(ld_q, W)
-    wait_for_producer(USE_PDL)
-    release_dependents(USE_PDL)
-    acc = tl.zeros([BLOCK_N, BLOCKS, W], tl.float32)
-    for b0 in tl.range(0, n_blocks, BLOCKS, num_stages=STAGES):  # a dot-free loop: pipelined when asked
-        words, s, z = _load_tile(q_rows, s_ptr, z_ptr, s2_ptr, offset, rows, row_ok, b0 + bi, n_blocks, FMT, W,
-                                 HAS_ZEROS, DOUBLE)
-        acc += _tile_dot(words, s, z, x_ptr, code_ptr, b0 + bi, K, FMT, BLOCK, W, EVEN_K)
-    _finish(acc, s_ptr, b_ptr, out_ptr, rows, row_ok, FMT, HAS_BIAS)
-
-
-@triton.jit
 def _finish(acc, s_ptr, b_ptr, out_ptr, rows, row_ok, FMT: tl.constexpr, HAS_BIAS: tl.constexpr):
     """Sums a program's partial products ``[BLOCK_N, BLOCKS, W]`` into its rows, unscaled, bias added."""
     out = tl.sum(tl.sum(acc, axis=2), axis=1)
@@ -190,9 +167,8 @@ def gemv_tiles(n: int, n_blocks: int, words_per_block: int, device: torch.device
 
 
 def quant_gemv(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None,
-               tiles: tuple[int, int, int] | None = None, stages: int | None = None) -> torch.Tensor:
-    """``x [1, K]`` -> ``[1, N]`` in x's dtype, one launch. ``tiles`` overrides ``gemv_tiles``, and
-    ``stages`` runs ``_gemv_staged_kernel`` with that many tiles in flight (benchmarks)."""
+               tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """``x [1, K]`` -> ``[1, N]`` in x's dtype, one launch. ``tiles`` overrides ``gemv_tiles`` (benchmarks)."""
     n, k = w.out_features, w.in_features
     fmt = _FMT_IDS[w.fmt]
     words = w.qweight.view(torch.int32)  # rows are whole blocks of whole words (quant_matmul.check_packed)
@@ -202,12 +178,11 @@ def quant_gemv(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = Non
     out = torch.empty(1, n, device=x.device, dtype=x.dtype)
     pdl = pdl_enabled(x.device)
     even = k == n_blocks * w.block and n_blocks % blocks == 0
-    kernel, extra = (_gemv_kernel, {}) if stages is None else (_gemv_staged_kernel, {"STAGES": stages})
-    kernel[(triton.cdiv(n, block_n),)](
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, words, *kernel_args(w)[1:], bias if bias is not None else out, out, n, k, n_blocks, words.stride(0),
         FMT=fmt, BLOCK=w.block, BLOCK_N=block_n, BLOCKS=blocks, HAS_ZEROS=w.zeros is not None and fmt != FMT_INT8,
         DOUBLE=w.scales2 is not None, HAS_BIAS=bias is not None, EVEN_K=even, USE_PDL=pdl, num_warps=warps,
-        launch_pdl=pdl, **extra)
+        launch_pdl=pdl)
     return out
 
 
