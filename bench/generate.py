@@ -7,10 +7,8 @@ A variant is an attention backend, optionally with ``+kernels`` (use_kernels=Tru
 but the decode norms not folded into the GEMVs after them), ``+nomlp`` (kernels, but the gated MLP's
 activation left out of the down projection's GEMV), ``+torchinputs`` (the decode step's inputs as
 torch ops and the model's own rotary instead of one launch: ``generation.decode.STEP_INPUTS_KERNEL``)
-``+nofuseattn`` (decode attention as qk_norm_rope then the paged decode, two launches, instead of
-the one fused launch: ``kernels.fused_norm_decode.FUSE_ATTENTION``) and ``+noheads`` (under PDL, the
-heads' norm, rotary and cache store as qk_norm_rope's launch instead of the q/k/v GEMV's tail:
-``kernels.fused_norm_decode.FINISH_HEADS_IN_GEMV``).
+and ``+nofuseattn`` (decode attention as qk_norm_rope then the paged decode, two launches, instead of
+the one fused launch: ``kernels.fused_norm_decode.FUSE_ATTENTION``).
 """
 
 from __future__ import annotations
@@ -82,7 +80,6 @@ def run_ours(folder, batch, variant, check_eager) -> dict:
 
     decode.STEP_INPUTS_KERNEL = "torchinputs" not in flags
     fused_norm_decode.FUSE_ATTENTION = "nofuseattn" not in flags
-    fused_norm_decode.FINISH_HEADS_IN_GEMV = "noheads" not in flags
     try:
         model.generate(ids, **kw)
         runs = sorted((timed(lambda: model.generate(ids, **kw)) for _ in range(REPEATS)), key=lambda r: r[1])
@@ -91,7 +88,6 @@ def run_ours(folder, batch, variant, check_eager) -> dict:
     finally:
         decode.STEP_INPUTS_KERNEL = True
         fused_norm_decode.FUSE_ATTENTION = True
-        fused_norm_decode.FINISH_HEADS_IN_GEMV = True
     weight_bytes = sum(p.numel() * p.element_size() for p in set(model.parameters()))
     explain = model.explain()
     del model

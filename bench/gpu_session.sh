@@ -112,9 +112,6 @@ for part in "${parts[@]}"; do
            python3 bench/distributed.py report --json "$OUT/multi.jsonl" ;;
     inputs-ab) run inputs-ab 150 python3 bench/generate.py --skip-hf --workloads W1,W3 --check-eager \
                  --variants triton+kernels,triton+kernels+torchinputs,triton+kernels --json "$OUT/results.jsonl" ;;
-    heads-ab) run heads-ab 200 python3 bench/generate.py --skip-hf --workloads W1 --check-eager \
-                --variants triton+kernels,triton+kernels+noheads,triton+kernels,triton+kernels+noheads \
-                --json "$OUT/results.jsonl" ;;
     fold-ab) run fold-ab 200 python3 bench/generate.py --skip-hf --workloads W1,W2,W3 \
                --variants triton+kernels,triton+kernels+nofold --json "$OUT/results.jsonl" ;;
     attention-graph) run attention-graph 200 python3 -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider -n 8 \

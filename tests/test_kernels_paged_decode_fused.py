@@ -282,10 +282,8 @@ def test_not_taken_on_another_backend_nor_under_pdl(fused_calls, monkeypatch):
     _decode(_model("qwen3", "sdpa"), monkeypatch, fuse=True, generate=False)
     assert not fused_calls  # and FUSE_ATTENTION = False: see the test above
     assert any(r and "backend" in r for r in reasons), reasons  # says why
-    # Under PDL the two launches measured faster: the fused one only where asked for (and where the
-    # q/k/v GEMV does not finish the heads itself, which is the default under PDL).
+    # Under PDL the two launches measured faster: the fused one only where asked for.
     monkeypatch.setattr(fused_norm_decode, "pdl_enabled", lambda device: True)
-    monkeypatch.setattr(fused_norm_decode, "FINISH_HEADS_IN_GEMV", False)
     model = _model("qwen3", "triton")
     reasons.clear()
     _decode(model, monkeypatch, fuse=True, generate=False)

@@ -28,12 +28,6 @@ at batch 1 on an H200 (bench/generate.py W1): with PDL off, 1,117 -> 1,138 tok/s
 qk_norm_rope, while the fused prologue's loads, norm and rotary all wait for the GEMV and sit on the
 critical path. So it applies where PDL is off (``FUSE_ATTENTION_WITH_PDL`` overrides that), and
 ``FUSE_ATTENTION = False`` turns it off entirely (bench/generate.py's ``+nofuseattn``).
-
-Under PDL the launch saved is qk_norm_rope's instead: the folded q/k/v GEMV finishes each head in its
-tail (``gemv_heads.py``: the last of a head's programs norms, rotates and stores it), so the paged
-decode follows the GEMV directly and still starts early. The conditions are the fused attention's
-but for the PDL switch (``_heads_decline``), plus heads the GEMV's programs tile.
-``FINISH_HEADS_IN_GEMV = False`` turns it off (bench/generate.py's ``+noheads``).
 """
 
 from __future__ import annotations
@@ -52,10 +46,6 @@ FOLD_MAX_HIDDEN = 2048  # widest input row the norm is folded for (see the modul
 # Decode attention past the folded GEMV as one launch (see the module docstring); off for A/B runs.
 FUSE_ATTENTION = True
 FUSE_ATTENTION_WITH_PDL = False  # measured slower under PDL on an H200 (module docstring)
-# Under PDL, the folded q/k/v GEMV finishes the heads itself (``gemv_heads.py``; module docstring);
-# off for A/B runs. Without PDL the fused attention above is the one launch fewer; tests set the second.
-FINISH_HEADS_IN_GEMV = True
-FINISH_HEADS_WITHOUT_PDL = False
 
 
 def _unhooked(module: nn.Module) -> bool:
@@ -82,20 +72,15 @@ def _packed(owner: nn.Module, name: str, linears) -> PackedLinear | None:
     return packed if all(_streams_plainly(m) for m in linears) else None
 
 
-def _folds(norm: RMSNorm, packed: PackedLinear | None, hidden, residual) -> bool:
-    """Whether ``packed(norm(hidden + residual))`` in one launch matches the unfused path."""
-    if packed is None or not _plain_norm(norm) or torch.is_autocast_enabled(hidden.device.type):
-        return False
-    if hidden.shape[-1] > FOLD_MAX_HIDDEN:
-        return False
-    inputs = (hidden, norm.weight) if residual is None else (hidden, residual, norm.weight)
-    return gemv_applies(packed.weight, *inputs)
-
-
 def _fold(norm: RMSNorm, packed: PackedLinear | None, hidden, residual):
     """``(packed(norm(hidden + residual)), hidden + residual)`` in one launch, or None where it
     would not match the unfused path."""
-    if not _folds(norm, packed, hidden, residual):
+    if packed is None or not _plain_norm(norm) or torch.is_autocast_enabled(hidden.device.type):
+        return None
+    if hidden.shape[-1] > FOLD_MAX_HIDDEN:
+        return None
+    inputs = (hidden, norm.weight) if residual is None else (hidden, residual, norm.weight)
+    if not gemv_applies(packed.weight, *inputs):
         return None
     if residual is None:  # the first layer: the embedding is the residual
         return gemv_rms_norm(hidden, packed.weight, norm.weight, norm.variance_epsilon, bias=packed.bias), hidden
@@ -124,22 +109,16 @@ def _attention_declines(attn: Attention, q, k, v, cos, sin, batch) -> str | None
     - qk_norm_rope would fuse its cache store (``_fusable``: its casts are then store_kv's) and
       round q and k to one dtype, the only rounding the fused kernel has.
     """
-    if not FUSE_ATTENTION:
-        return "FUSE_ATTENTION is off"
-    if pdl_enabled(q.device) and not FUSE_ATTENTION_WITH_PDL:
-        return "PDL is on and FUSE_ATTENTION_WITH_PDL off"
-    return _heads_decline(attn, q, k, v, cos, sin, batch)
-
-
-def _heads_decline(attn: Attention, q, k, v, cos, sin, batch) -> str | None:
-    """Why one launch could not compute what ``attn.attend`` computes before the attention proper
-    (qk_norm_rope and its cache store) on these heads, or None where it can (see ``_attention_declines``)."""
     from ..attention.triton_backend import TritonAttention
     from ..layers.attention import ApplyRotary
     from .hub import _qk_norm_rope
     from .qk_norm_rope import _fusable, output_dtypes
 
     cache, rotary = batch.kv_cache, attn.rotary
+    if not FUSE_ATTENTION:
+        return "FUSE_ATTENTION is off"
+    if pdl_enabled(q.device) and not FUSE_ATTENTION_WITH_PDL:
+        return "PDL is on and FUSE_ATTENTION_WITH_PDL off"
     if type(attn.backend) is not TritonAttention:
         return f"the {type(attn.backend).__name__} backend, not exactly the triton one"
     if cache is None or not batch.has_context or batch.max_seqlen_q != 1:
@@ -186,38 +165,6 @@ def _attention_past_projections(attn: Attention, qkv: torch.Tensor, cos, sin, ba
     return attn.o_proj(out.reshape(t, -1))  # Attention.attend, past the attention
 
 
-def _fold_finishing_heads(norm: RMSNorm, attn: Attention, hidden, residual, cos, sin, batch):
-    """``(q, hidden + residual)`` with q normed and rotated and the new k/v in the cache, from one
-    launch (``gemv_heads.py``), or None where that launch does not apply (its switches, the fold's
-    conditions, ``_heads_decline``, heads the GEMV's programs do not tile)."""
-    if not FINISH_HEADS_IN_GEMV or not (pdl_enabled(hidden.device) or FINISH_HEADS_WITHOUT_PDL):
-        return None
-    packed = _qkv_packed(attn)
-    if not _folds(norm, packed, hidden, residual):
-        return None
-    from .gemv_heads import Heads, gemv_rms_norm_heads, heads_fit
-    from .qk_norm_rope import _norm_params, output_dtypes
-
-    t, d = hidden.numel() // hidden.shape[-1], attn.head_dim
-    out = torch.empty(t, packed.weight.shape[0], device=hidden.device, dtype=hidden.dtype)
-    q, k, v = (x.view(t, -1, d) for x in out.split(packed.sizes, dim=-1))
-    if _heads_decline(attn, q, k, v, cos, sin, batch) is not None or packed.weight.stride(-1) != 1 \
-            or not heads_fit(out.shape[1], hidden.shape[-1], d, hidden.device):
-        return None
-    qw = kw = None
-    q_eps = k_eps = 0.0
-    if attn.q_norm is not None:
-        (qw, q_eps), (kw, k_eps) = _norm_params(attn.q_norm, "q_norm"), _norm_params(attn.k_norm, "k_norm")
-    i = attn.layer_idx
-    heads = Heads(q.shape[1], k.shape[1], d, qw, kw, q_eps, k_eps, cos, sin, batch.kv_cache.k[i],
-                  batch.kv_cache.v[i], batch.slot_mapping, output_dtypes(q, k, cos, qw)[0])
-    done = gemv_rms_norm_heads(hidden, packed.weight, norm.weight, norm.variance_epsilon, residual, packed.bias,
-                               heads, out)
-    if done is None:
-        return None
-    return done[0], hidden if residual is None else done[1]
-
-
 def _mlp_past_projections(mlp: GatedMLP, gate_up: torch.Tensor) -> torch.Tensor:
     from .hub import _fused_mlp_decode, gated_mlp_down
 
@@ -247,15 +194,8 @@ def _gate_up_packed(mlp) -> PackedLinear | None:
 def fused_norm_decode_forward(self, hidden, residual, cos, sin, batch):
     """``DecoderLayer.forward`` with each norm folded into the GEMV after it where that is exact."""
     attn, mlp = self.self_attn, self.mlp
-    finished = _fold_finishing_heads(self.input_layernorm, attn, hidden, residual, cos, sin, batch)
-    folded = None if finished is not None else _fold(self.input_layernorm, _qkv_packed(attn), hidden, residual)
-    if finished is not None:
-        q, residual = finished
-        t = q.shape[0]
-        # Attention.attend past the rotary: the keys are in the cache already
-        out = attn.backend(q, None, None, batch, attn.layer_idx, attn.scaling, attn.sliding_window, kv_stored=True)
-        hidden = attn.o_proj(out.reshape(t, -1))
-    elif folded is not None:
+    folded = _fold(self.input_layernorm, _qkv_packed(attn), hidden, residual)
+    if folded is not None:
         qkv, residual = folded
         hidden = _attention_past_projections(attn, qkv, cos, sin, batch)
     else:

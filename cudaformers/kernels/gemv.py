@@ -79,12 +79,10 @@ def _normed(s, rstd, norm_w):
 
 
 @triton.jit
-def gemv_rows(x_ptr, u_ptr, w_ptr, nw_ptr, s_ptr, N, K, eps, stride_xm, stride_um, stride_wn, ACT: tl.constexpr,
-              NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              USE_PDL: tl.constexpr):
-    """This program's ``BLOCK_N`` outputs of row ``program_id(1)``, fp32 and unbiased, with their row
-    indices and mask. Inputs by mode: plain (x), ACT (gate x, up u), NORM (x, residual u, norm weight
-    nw, sum out s)."""
+def _gemv_kernel(x_ptr, u_ptr, w_ptr, b_ptr, y_ptr, nw_ptr, s_ptr, N, K, eps, stride_xm, stride_um, stride_wn,
+                 stride_ym, ACT: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    # Inputs by mode: plain (x), ACT (gate x, up u), NORM (x, residual u, norm weight nw, sum out s).
     pid_n = tl.program_id(0)
     m = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -136,18 +134,9 @@ def gemv_rows(x_ptr, u_ptr, w_ptr, nw_ptr, s_ptr, N, K, eps, stride_xm, stride_u
         else:
             xk = _input_tile(x_row, u_row, k, k_ok, ACT)
         acc += w * xk[None, :]
-    return tl.sum(acc, axis=1), rows, row_ok
-
-
-@triton.jit
-def _gemv_kernel(x_ptr, u_ptr, w_ptr, b_ptr, y_ptr, nw_ptr, s_ptr, N, K, eps, stride_xm, stride_um, stride_wn,
-                 stride_ym, ACT: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
-    y, rows, row_ok = gemv_rows(x_ptr, u_ptr, w_ptr, nw_ptr, s_ptr, N, K, eps, stride_xm, stride_um, stride_wn,
-                                ACT, NORM, HAS_RESIDUAL, BLOCK_N, BLOCK_K, USE_PDL)
+    y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-    m = tl.program_id(1)
     tl.store(y_ptr + m.to(tl.int64) * stride_ym + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
 
 

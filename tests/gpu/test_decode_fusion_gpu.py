@@ -198,30 +198,3 @@ def test_qwen3_06b_shaped_decode_with_folded_norms(attn, monkeypatch):
             top = model(unfused[:, :at]).logits[0, -1].float().topk(2).values
         raise AssertionError(f"greedy tokens differ from the unfused kernels' at position {at} (top-2 logit "
                              f"margin of the unfused model there: {(top[0] - top[1]).item():.3g})")
-
-
-def test_qwen3_06b_shaped_heads_finished_in_the_qkv_gemv(monkeypatch):
-    """Under PDL (the default on Hopper) the folded q/k/v GEMV also norms, rotates and stores the heads
-    (kernels/gemv_heads.py): the same bits as qk_norm_rope's launch, so the same greedy tokens, from
-    CUDA graphs and eagerly."""
-    from cudaformers.kernels import fused_norm_decode, gemv_heads
-    from cudaformers.kernels.hub import kernelize
-    from cudaformers.kernels.pdl import pdl_enabled
-
-    if not pdl_enabled(torch.device(DEV, 0)):
-        pytest.skip("programmatic dependent launch is off on this GPU: the heads are finished by qk_norm_rope")
-    model = _qwen3_06b_shaped()
-    model.set_attn_implementation("triton")
-    kernelize(model)
-    ids = torch.randint(3, 151000, (2, 12), device=DEV, generator=torch.Generator(device=DEV).manual_seed(2))
-    kw = dict(max_new_tokens=32, do_sample=False, eos_token_id=None)
-    calls, real = [], gemv_heads.gemv_rms_norm_heads
-    monkeypatch.setattr(gemv_heads, "gemv_rms_norm_heads", lambda *a: (calls.append(1), real(*a))[1])
-    finished = [model.generate(ids, use_cuda_graph=graph, **kw) for graph in (True, False)]
-    assert len(calls) >= 31 * 28, f"the heads were finished in the GEMV {len(calls)} times"
-    monkeypatch.setattr(fused_norm_decode, "FINISH_HEADS_IN_GEMV", False)
-    model.__dict__.pop("_decode_runners", None)  # the captured graphs hold the launches under test
-    calls.clear()
-    two_launches = model.generate(ids, use_cuda_graph=True, **kw)
-    assert not calls
-    assert torch.equal(finished[0], finished[1]) and torch.equal(finished[0], two_launches)

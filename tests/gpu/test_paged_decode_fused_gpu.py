@@ -130,7 +130,6 @@ def test_qwen3_06b_shaped_generates_the_same_tokens(monkeypatch):
     model.set_attn_implementation("triton")
     kernelize(model)
     monkeypatch.setattr(fused_norm_decode, "FUSE_ATTENTION_WITH_PDL", True)  # the launch under test, PDL or not
-    monkeypatch.setattr(fused_norm_decode, "FINISH_HEADS_IN_GEMV", False)  # which PDL would take instead
     ids = torch.randint(3, 151000, (2, 12), device=DEV, generator=torch.Generator(device=DEV).manual_seed(1))
     kw = dict(max_new_tokens=24, do_sample=False, eos_token_id=None)
     calls = []
