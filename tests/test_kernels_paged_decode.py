@@ -15,6 +15,7 @@ if not torch.cuda.is_available():  # interpret the kernels on CPU; set before tr
 import pytest  # noqa: E402
 
 from cudaformers.kernels import paged_decode as pd  # noqa: E402
+from cudaformers.kernels.arrivals import arrival_counters  # noqa: E402
 from cudaformers.kernels.paged_decode import (  # noqa: E402
     DecodeTiling, paged_decode, paged_decode_reference, split_plan)
 
@@ -111,7 +112,7 @@ def test_merge_leaves_counters_zeroed_for_the_next_call():
     k_lens = [100, 3, 77]
     for seed in range(2):  # the second call would merge wrongly if the first left counts behind
         _run(k_lens, 4, 2, 16, torch.float32, 8, capacity=128, num_splits=5, seed=seed)
-    counters = pd._arrival_counters(DEV, 1)
+    counters = arrival_counters(DEV, 1)
     assert int(counters.abs().sum()) == 0
 
 

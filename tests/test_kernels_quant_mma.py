@@ -175,7 +175,7 @@ def test_unsplit_fallback_when_counters_cannot_be_made(monkeypatch):
     the same result, with step overhang masked (3 blocks of 128 codes in steps of 2)."""
     import cudaformers.kernels.quant_mma as qmma
 
-    monkeypatch.setattr(qmma, "_arrival_counters", lambda device, n: None)
+    monkeypatch.setattr(qmma, "arrival_counters", lambda device, n: None)
     layer = _layer(Int4Config(group_size=128), 24, 384, torch.float16, bias=False)
     w = layer.packed()
     x = torch.randn(2, 384, dtype=torch.float16)

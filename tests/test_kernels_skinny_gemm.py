@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import cudaformers.kernels.skinny_gemm as sg
+from cudaformers.kernels.arrivals import arrival_counters
 from cudaformers.errors import UnsupportedError
 from cudaformers.kernels.skinny_gemm import SkinnyConfig, plan, skinny_applies, skinny_linear
 
@@ -60,7 +61,34 @@ def test_split_k_configs(cfg, m, n, k, dtype):
     got = skinny_linear(x, w, b, config=cfg)
     _assert_close(got, x, w, b)
     assert torch.equal(got, skinny_linear(x, w, b, config=cfg))  # fixed summation order
-    assert not sg._counters[str(x.device)].any()  # every tile counter reset for the next call
+    assert not arrival_counters(x.device, 1).any()  # every tile counter reset for the next call
+
+
+def test_without_counters_runs_unsplit_or_says_why(monkeypatch, caplog):
+    """Where no arrival counters can be had (a first call inside a CUDA-graph capture) the planned
+    launch runs unsplit, logged once; a config that asks for a split is refused, naming the fix."""
+    monkeypatch.setattr(sg, "arrival_counters", lambda device, n: None)
+    monkeypatch.setattr(sg, "_warned_capture", [])
+    x, w, b = _inputs(9, 33, 600, torch.float32, bias=True)
+    assert sg.plan(9, 33, 600, x.dtype, sg.sm_count(x.device)).k_split < 600  # the plan would split K
+    with caplog.at_level("INFO", logger="cudaformers"):
+        _assert_close(skinny_linear(x, w, b), x, w, b)
+    assert "without split-K" in caplog.text
+    with pytest.raises(ValueError, match="run one call outside the capture first"):
+        skinny_linear(x, w, b, config=SkinnyConfig(16, 16, 32, 64))
+
+
+def test_arrival_counters_grow_and_stay_zeroed():
+    from cudaformers.kernels import arrivals
+
+    dev = torch.device("cpu")
+    first = arrival_counters(dev, 1)
+    assert first.dtype == torch.int32 and first.numel() >= arrivals.MIN_COUNTERS and not first.any()
+    assert arrival_counters(dev, first.numel()) is first  # one buffer for every launch that fits
+    grown = arrival_counters(dev, first.numel() + 1)
+    assert grown.numel() > first.numel() and not grown.any()
+    assert any(r is first for r in arrivals._RETIRED)  # kept alive for graphs that captured it
+    assert arrival_counters(dev, 1) is grown
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

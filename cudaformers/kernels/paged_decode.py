@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .arrivals import arrival_counters
 from .flash_attention import attention_reference
 from .flash_attention_fwd import LOG2E, _UPCAST_DOT, _dot, _dot_precision, block_d, check_inputs, interpreting
 from .l2_prefetch import LINE_BYTES, prefetch_l2
@@ -365,28 +366,7 @@ def _even_splits(splits: int, max_seqlen_k: int, block_n: int) -> tuple[int, int
     return triton.cdiv(max(max_seqlen_k, 1), per_split), per_split
 
 
-_COUNTERS = 16384  # arrival counters per device: one per (sequence, kv head) of a launch
-_ARRIVED: dict[torch.device, torch.Tensor] = {}
-_RETIRED: list[torch.Tensor] = []  # outgrown counters that captured graphs may still point at: never freed
 _warned_capture: list[bool] = []
-
-
-def _arrival_counters(device: torch.device, n: int) -> torch.Tensor | None:
-    """The device's arrival counters (all zero between launches), or None inside a CUDA-graph
-    capture that would have to create or grow them: a buffer made there is not zeroed until the
-    graph first runs. Split launches on one device share them, so they must not run concurrently
-    on two streams."""
-    buf = _ARRIVED.get(device)
-    if buf is None or buf.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        if buf is not None:
-            _RETIRED.append(buf)
-        buf = torch.zeros(max(n, _COUNTERS), dtype=torch.int32, device=device)
-        if device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()  # zeroed before any stream uses them
-        _ARRIVED[device] = buf
-    return buf
 
 
 class NewToken(NamedTuple):
@@ -439,7 +419,7 @@ def launch(q, out, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k: int, 
         splits, _ = split_plan(num_seqs, num_kv_heads, max_seqlen_k, q.device, tiling.block_n)
     else:
         splits, _ = _even_splits(min(max(num_splits, 1), MAX_SPLITS), max_seqlen_k, tiling.block_n)
-    arrived = _arrival_counters(q.device, num_seqs * num_kv_heads) if splits > 1 else None
+    arrived = arrival_counters(q.device, num_seqs * num_kv_heads) if splits > 1 else None
     if splits > 1 and arrived is None:
         if not _warned_capture:
             _warned_capture.append(True)

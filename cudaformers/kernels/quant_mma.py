@@ -36,8 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .arrivals import arrival_counters
 from .pdl import pdl_enabled, release_dependents, wait_for_producer
-from .paged_decode import _arrival_counters
 from .quant_matmul import FMT_INT4, FMT_INT8, _FMT_IDS, PackedWeight, interpreting, sm_count
 
 logger = logging.getLogger("cudaformers")
@@ -282,7 +282,7 @@ def quant_mma(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None
     per_split = triton.cdiv(triton.cdiv(n_blocks, split), groups) * groups
     split = triton.cdiv(n_blocks, per_split)
     n_tiles = triton.cdiv(n, block_n)
-    arrived = _arrival_counters(x.device, n_tiles) if split > 1 else None
+    arrived = arrival_counters(x.device, n_tiles) if split > 1 else None
     if split > 1 and arrived is None:  # inside a CUDA-graph capture that would have to make the counters
         if not _warned_capture:
             _warned_capture.append(True)

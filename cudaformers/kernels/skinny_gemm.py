@@ -8,8 +8,8 @@ Each program owns ``BLOCK_N`` output features for ``BLOCK_M`` rows (all of them,
 walks a range of K. The weights are the MMA's wide operand: ``acc[BLOCK_N, BLOCK_M] = W_tile @
 x_tile.T``, so a 64-feature tile fills the tensor core's 64-row side while the batch (16, 32...)
 sits on its narrow side. Small N gives too few tiles for the SMs, so K is split: every split stores
-an fp32 partial and the last split of a tile to arrive (a per-tile counter) sums all partials in
-split order. One launch, and bitwise the same result whichever split finishes last.
+an fp32 partial and the last split of a tile to arrive (a per-tile counter, ``arrivals.py``) sums
+all partials in split order. One launch, and bitwise the same result whichever split finishes last.
 
 ``skinny_linear`` is the entry (forward only; ``F.linear`` is the reference); ``skinny_applies``
 says whether it should take a call, with the row range as a parameter (``ROWS`` by default).
@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from ..errors import UnsupportedError
+from .arrivals import arrival_counters
 from .gemv import _rows
 from .pdl import pdl_enabled, release_dependents, wait_for_producer
 
@@ -38,10 +39,8 @@ logger = logging.getLogger("cudaformers")
 # chain of programmatic dependent launches that cuBLAS breaks and merges split-K in the same launch
 # (W3, batch 32: +4.6%); behind it from 64 rows on, so cuBLAS keeps those.
 ROWS = (5, 32)
-_COUNTERS = 4096      # split-K tile counters held per device; a split call uses one per tile
 _MAX_BLOCK_M = 128
 _SMEM_PER_PROGRAM = 100 << 10
-_counters: dict[str, torch.Tensor] = {}
 _warned_capture: list[bool] = []  # the capture-without-counters note is logged once per process
 
 
@@ -169,8 +168,7 @@ def plan(m: int, n: int, k: int, dtype: torch.dtype, sms: int, split_ok: bool = 
     # partials (written once, read once from L2) at most half the weight bytes.
     max_split = max(1, k // (4 * block_m))
     split = 1
-    while (split_ok and tiles * split < target and split * 2 <= min(steps, max_split)
-           and tiles <= _COUNTERS):
+    while split_ok and tiles * split < target and split * 2 <= min(steps, max_split):
         split *= 2
     per_split = cdiv(steps, split)
     return SkinnyConfig(block_m, block_n, block_k, per_split * block_k,
@@ -182,22 +180,6 @@ def pipeline_stages(block_m: int, block_n: int, block_k: int, elem: int, steps: 
     _SMEM_PER_PROGRAM, so two or three programs share an SM; no deeper than the loop is long."""
     stage_bytes = (block_n + block_m) * block_k * elem
     return max(1, min(4, steps, _SMEM_PER_PROGRAM // stage_bytes - 1))
-
-
-def _tile_counters(device: torch.device) -> torch.Tensor | None:
-    """The device's split-K counters (all zero between calls), or None inside a CUDA graph capture
-    that would have to create them: a buffer made there is not zeroed until the graph first runs.
-    Split calls on one device share these counters, so they must not run concurrently on two streams."""
-    key = str(device)
-    counters = _counters.get(key)
-    if counters is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        counters = torch.zeros(_COUNTERS, dtype=torch.int32, device=device)
-        if device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()  # zeroed before any stream uses them
-        _counters[key] = counters
-    return counters
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -240,20 +222,23 @@ def _launch(x2, weight, bias, config) -> torch.Tensor:
         return y
     if k == 0:
         return y.zero_() if bias is None else y.copy_(bias.expand(m, n))
-    counters = _tile_counters(x2.device)
-    if counters is None and not _warned_capture:
-        _warned_capture.append(True)
-        logger.info("skinny GEMM: first called inside a CUDA graph capture, so calls captured before one runs "
-                    "outside a capture do without split-K; run one call before capturing for the faster launch")
-    cfg = config or plan(m, n, k, x2.dtype, sm_count(x2.device), split_ok=counters is not None)
+    cfg = config or plan(m, n, k, x2.dtype, sm_count(x2.device))
     if cfg.block_k <= 0 or cfg.k_split % cfg.block_k:
         raise ValueError(f"{cfg}: k_split must be a positive multiple of block_k")
+    tiles = triton.cdiv(n, cfg.block_n) * triton.cdiv(m, cfg.block_m)
+    counters = arrival_counters(x2.device, tiles) if k > cfg.k_split else None
+    if k > cfg.k_split and counters is None:
+        if config is not None:
+            raise ValueError(f"{cfg} splits K, which needs arrival counters that a CUDA-graph capture cannot "
+                             "create: run one call outside the capture first")
+        if not _warned_capture:
+            _warned_capture.append(True)
+            logger.info("skinny GEMM: first called inside a CUDA graph capture, so calls captured before one runs "
+                        "outside a capture do without split-K; run one call before capturing for the faster launch")
+        cfg = plan(m, n, k, x2.dtype, sm_count(x2.device), split_ok=False)
     splits = triton.cdiv(k, cfg.k_split)
     grid = (triton.cdiv(n, cfg.block_n), splits, triton.cdiv(m, cfg.block_m))
     split_k = splits > 1
-    if split_k and (counters is None or grid[0] * grid[2] > _COUNTERS):
-        raise ValueError(f"{cfg} splits K into {splits} for {grid[0] * grid[2]} tiles; at most {_COUNTERS} "
-                         "tiles split, and none while capturing the first call into a CUDA graph")
     part = torch.empty(splits, m, n, device=x2.device, dtype=torch.float32) if split_k else y
     use_pdl = pdl_enabled(x2.device)
     extra = {"launch_pdl": True} if use_pdl else {}

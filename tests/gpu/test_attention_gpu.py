@@ -171,9 +171,10 @@ def test_paged_decode_merge_is_race_free_in_a_graph(pdl, monkeypatch):
 def test_paged_decode_captured_before_any_split_call(monkeypatch, caplog):
     """A capture cannot create the split counters (they would not be zeroed until the graph runs):
     it runs each sequence in one program instead, says so, and is still right."""
+    from cudaformers.kernels import arrivals
     from cudaformers.kernels import paged_decode as pd
 
-    monkeypatch.setattr(pd, "_ARRIVED", {})
+    monkeypatch.setattr(arrivals, "_BUFFERS", {})
     monkeypatch.setattr(pd, "_warned_capture", [])
     q, k_cache, v_cache, lens, table = _decode_case([8192, 130], 16, 8, 128, torch.bfloat16, 16, 16384)
     stream = torch.cuda.Stream()
