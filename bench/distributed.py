@@ -207,8 +207,9 @@ def main() -> int:
         report(args.json)
         return 0
     args.shape = args.shape or ("qwen3-0.6b" if args.task == "train" else "qwen3-8b")
-    if args.strategy != "single" and world() == 1 and args.task == "train":
-        raise SystemExit(f"--strategy {args.strategy} needs several processes: torchrun --nproc_per_node=N")
+    if args.strategy != "single" and "RANK" not in os.environ and args.task == "train":
+        # One process is fine (one GPU checks the script and its NCCL setup), but it must come from torchrun.
+        raise SystemExit(f"--strategy {args.strategy} runs under torchrun: torchrun --nproc_per_node=N")
     run = dict(train=run_train, **{"infer-tp": run_infer_tp, "device-map": run_device_map})[args.task]
     record = run(args)
     if record:

@@ -55,8 +55,8 @@ for part in "${parts[@]}"; do
     load) run load 120 python3 bench/load.py ;;
     engine-profile) run engine-profile 70 python3 bench/profile_engine.py ;;
     kernels-tests) run kernels-tests 90 python3 -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider tests/gpu/test_kernels_gpu.py ;;
-    kernels-bench) run kernels-bench 60 python3 bench/kernels.py ;;
-    kernels-bench-extra) run kernels-bench-extra 120 python3 bench/kernels.py --extra ;;
+    kernels-bench) run kernels-bench 60 python3 bench/kernel_speed.py ;;
+    kernels-bench-extra) run kernels-bench-extra 120 python3 bench/kernel_speed.py --extra ;;
     decode-profile) run decode-profile 60 python3 bench/profile_decode.py --attn triton --kernels ;;
     decode-kernels) run decode-kernels 40 python3 bench/decode_kernels.py ;;
     fusion-tests) run fusion-tests 90 python3 -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider \
@@ -107,7 +107,7 @@ for part in "${parts[@]}"; do
                            --quant int4 ;;
     generate-overhead) run generate-overhead 90 python3 bench/generate_overhead.py ;;
     gemv-tiles) run gemv-tiles 420 python3 bench/gemv_tiles.py --json "$OUT/results.jsonl" ;;
-    multi) n=$(nvidia-smi -L | wc -l)  # issue-8 runs: every GPU of the machine (bench/distributed.py)
+    multi) n=$(nvidia-smi -L | wc -l)  # every GPU of the machine (bench/distributed.py); on one GPU it checks the scripts
            run multi-train-single 240 python3 bench/distributed.py train --strategy single --json "$OUT/multi.jsonl"
            for s in ddp fsdp tp; do
              run "multi-train-$s" 240 torchrun --nproc_per_node="$n" bench/distributed.py train --strategy "$s" \
@@ -115,7 +115,7 @@ for part in "${parts[@]}"; do
            done
            run multi-infer-tp 300 torchrun --nproc_per_node="$n" bench/distributed.py infer-tp --json "$OUT/multi.jsonl"
            run multi-device-map 200 python3 bench/distributed.py device-map --json "$OUT/multi.jsonl"
-           run multi-device-map-swapped 200 env CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=1,0 \
+           [ "$n" -ge 2 ] && run multi-device-map-swapped 200 env CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=1,0 \
              python3 bench/distributed.py device-map --shape qwen3-0.6b --json "$OUT/multi.jsonl"
            python3 bench/distributed.py report --json "$OUT/multi.jsonl" ;;
     inputs-ab) run inputs-ab 150 python3 bench/generate.py --skip-hf --workloads W1,W3 --check-eager \

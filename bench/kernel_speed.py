@@ -7,7 +7,10 @@ forward+backward time (median, triton.testing.do_bench), the backward's share (t
 peak extra memory; ``--extra`` adds the MoE and Mamba kernels at Qwen3-30B-A3B / Mamba shapes.
 The fused cross-entropy does its matmuls during the forward, so its "fwd" is the whole thing.
 
-    python bench/kernels.py [--tokens 16384] [--only rms_norm,flce] [--extra]
+    python bench/kernel_speed.py [--tokens 16384] [--only rms_norm,flce] [--extra]
+
+(Not named kernels.py: the bench scripts put this folder first on sys.path, where a kernels.py would
+stand in for the Hub's ``kernels`` package that transformers imports when it is installed.)
 """
 
 from __future__ import annotations
