@@ -130,12 +130,6 @@ def _gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, code_ptr, s2_ptr, offset, b_ptr, ou
         words, s, z = ahead
     acc += _tile_dot(words, s, z, x_ptr, code_ptr, (n_blocks - 1) // BLOCKS * BLOCKS + bi, K, FMT, BLOCK, W,
                      EVEN_K)
-    _finish(acc, s_ptr, b_ptr, out_ptr, rows, row_ok, FMT, HAS_BIAS)
-
-
-@triton.jit
-def _finish(acc, s_ptr, b_ptr, out_ptr, rows, row_ok, FMT: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """Sums a program's partial products ``[BLOCK_N, BLOCKS, W]`` into its rows, unscaled, bias added."""
     out = tl.sum(tl.sum(acc, axis=2), axis=1)
     if FMT != 2:
         out *= UNSCALE

@@ -225,9 +225,13 @@ def _launch(x2, weight, bias, config) -> torch.Tensor:
     cfg = config or plan(m, n, k, x2.dtype, sm_count(x2.device))
     if cfg.block_k <= 0 or cfg.k_split % cfg.block_k:
         raise ValueError(f"{cfg}: k_split must be a positive multiple of block_k")
-    tiles = triton.cdiv(n, cfg.block_n) * triton.cdiv(m, cfg.block_m)
-    counters = arrival_counters(x2.device, tiles) if k > cfg.k_split else None
-    if k > cfg.k_split and counters is None:
+
+    def grid_of(c: SkinnyConfig) -> tuple[int, int, int]:  # (feature tiles, K splits, row tiles)
+        return triton.cdiv(n, c.block_n), triton.cdiv(k, c.k_split), triton.cdiv(m, c.block_m)
+
+    grid = grid_of(cfg)
+    counters = arrival_counters(x2.device, grid[0] * grid[2]) if grid[1] > 1 else None
+    if grid[1] > 1 and counters is None:
         if config is not None:
             raise ValueError(f"{cfg} splits K, which needs arrival counters that a CUDA-graph capture cannot "
                              "create: run one call outside the capture first")
@@ -236,8 +240,8 @@ def _launch(x2, weight, bias, config) -> torch.Tensor:
             logger.info("skinny GEMM: first called inside a CUDA graph capture, so calls captured before one runs "
                         "outside a capture do without split-K; run one call before capturing for the faster launch")
         cfg = plan(m, n, k, x2.dtype, sm_count(x2.device), split_ok=False)
-    splits = triton.cdiv(k, cfg.k_split)
-    grid = (triton.cdiv(n, cfg.block_n), splits, triton.cdiv(m, cfg.block_m))
+        grid = grid_of(cfg)
+    splits = grid[1]
     split_k = splits > 1
     part = torch.empty(splits, m, n, device=x2.device, dtype=torch.float32) if split_k else y
     use_pdl = pdl_enabled(x2.device)
