@@ -21,14 +21,14 @@ from cudaformers.kernels import greedy_advance as ga  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 GREEDY = LoopKind(sampling=False, top_k=False, top_p=False, min_p=False, penalty=False, min_new=False)
-FIELDS = ("tokens", "positions", "out", "finished", "ends", "step")
+FIELDS = ("tokens", "out", "finished", "ends", "step")
 
 
 def _state(kind, rows, vocab, eos, pad=3, max_new=5, capacity=6, finished=(), min_new=0):
     state = LoopState(kind, rows, capacity, vocab, "cpu")
     st = SamplingTensors.build([{"temperature": 0.7, "top_k": 5}] * rows, "cpu")  # values greedy ignores
     seen = torch.zeros(rows, vocab, dtype=torch.bool) if kind.penalty else None
-    state.start(st, seen, torch.tensor(eos), pad, min_new, max_new, torch.arange(rows) * 3 + 5)
+    state.start(st, seen, torch.tensor(eos), pad, min_new, max_new, torch.zeros(rows, dtype=torch.long))
     state.finished[list(finished)] = True
     return state
 

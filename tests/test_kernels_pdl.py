@@ -40,8 +40,6 @@ CASES = {
     # ... and with qk_norm_rope fused in, its norm weights too; the raw q/k/v, cos/sin, slots after it.
     "paged_decode_fused": ("step inputs", True),
     "act_and_mul": ("none", False),
-    # The step's first launch: positions and tokens are the previous step's last writes.
-    "step_inputs": ("none", False),
 }
 PLAIN = ("act_and_mul_pdl_off", "act_and_mul_backward")
 
@@ -49,8 +47,7 @@ PLAIN = ("act_and_mul_pdl_off", "act_and_mul_backward")
 def _cases():
     """name -> (module, kernel attribute, call that launches it with bf16 weights, fp32 activations)."""
     from cudaformers.attention.kv_cache import KVStore
-    from cudaformers.kernels import (activation, gemv, kv_store, paged_decode, paged_decode_fused, qk_norm_rope,
-                                     rms_norm, step_inputs)
+    from cudaformers.kernels import activation, gemv, kv_store, paged_decode, paged_decode_fused, qk_norm_rope, rms_norm
 
     bf, f32 = torch.bfloat16, torch.float32
     x, w = torch.randn(1, 96, dtype=f32), torch.randn(40, 96, dtype=bf)
@@ -90,8 +87,6 @@ def _cases():
             kv_cache.clone(), lens, table, torch.tensor([3, 9]), 8, 0.1, cos, sin, w[0, :32], w[1, :32])),
         "act_and_mul": (activation, "_act_mul_fwd",
                         lambda: activation.act_and_mul_forward(gate_up[:, :96], gate_up[:, 96:], pdl=True)),
-        "step_inputs": (step_inputs, "_step_inputs_kernel", lambda: step_inputs.step_inputs(
-            lens, table.int(), 4, (cos, sin), lens, w)),
         "act_and_mul_pdl_off": (activation, "_act_mul_fwd",
                                 lambda: activation.act_and_mul_forward(gate_up[:, :96], gate_up[:, 96:])),
         "act_and_mul_backward": (activation, "_act_mul_bwd", lambda: activation._backward_into(

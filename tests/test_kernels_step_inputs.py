@@ -41,28 +41,9 @@ def test_same_bits_as_the_torch_path(rows, page, dim, dtype):
     for a, b in zip(got[:3], want[:3]):
         assert a.dtype == b.dtype and torch.equal(a, b)
     assert all(a.dtype == dtype and torch.equal(a, b) for a, b in zip(got[3], want[3]))
-    assert got.hidden is None and want.hidden is None
     # Without a table: the metadata alone.
     bare = step_inputs(positions, table, page)
     assert bare[3] is None and all(torch.equal(a, b) for a, b in zip(bare[:3], want[:3]))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows,hidden,rope", [(1, 64, True), (3, 100, False), (ROPE_ROWS + 1, 1024, True),
-                                              (2, 1500, True)])
-def test_embedding_rows_are_gathered_bit_for_bit(rows, hidden, rope, dtype):
-    capacity, page, vocab = 64, 16, 97
-    positions, table = _case(rows, page, capacity, seed=hidden)
-    g = torch.Generator().manual_seed(hidden)
-    embedding = torch.randn(vocab, hidden, generator=g).to(DEVICE, dtype)
-    tokens = torch.randint(0, vocab, (rows,), generator=g).to(DEVICE)
-    tokens[0] = vocab - 1  # the table's last row
-    table_rows = tuple(torch.randn(capacity, 32, generator=g).to(DEVICE, dtype) for _ in range(2)) if rope else None
-    got = step_inputs(positions, table, page, table_rows, tokens, embedding)
-    want = step_inputs_torch(positions, table, page, table_rows, tokens, embedding)
-    assert got.hidden.dtype == dtype and torch.equal(got.hidden, want.hidden)
-    assert torch.equal(got.hidden, torch.nn.functional.embedding(tokens, embedding))
-    assert all(torch.equal(a, b) for a, b in zip(got[:3], want[:3]))
 
 
 def test_bad_shapes_are_named():
@@ -72,10 +53,6 @@ def test_bad_shapes_are_named():
     rope = torch.zeros(64, 8, device=DEVICE)
     with pytest.raises(ValueError, match="rope_table"):
         step_inputs(positions, table, 16, (rope, rope[:, :4]))
-    with pytest.raises(ValueError, match="pass both or neither"):
-        step_inputs(positions, table, 16, tokens=positions)
-    with pytest.raises(ValueError, match=r"tokens \(3,\) must be \[B\]"):
-        step_inputs(positions, table, 16, tokens=positions[:3], embedding=rope)
 
 
 @pytest.mark.parametrize("name", ["qwen3", "llama"])
@@ -91,27 +68,3 @@ def test_generate_through_the_table_equals_the_models_own_rotary(name, monkeypat
     model.__dict__.pop("_decode_runners")
     monkeypatch.setattr(decode, "_rope_table", lambda *a: None)
     assert torch.equal(with_table, model.generate(ids, **kw))
-
-
-def test_generate_through_the_gathered_embeddings_equals_the_models_own(monkeypatch):
-    model = AutoModelForCausalLM.from_pretrained(tiny.checkpoint("qwen3")).to(DEVICE).eval()
-    ids = torch.randint(3, 211, (2, 6), generator=torch.Generator().manual_seed(4)).to(DEVICE)
-    kw = dict(max_new_tokens=7, do_sample=False, eos_token_id=None, use_cuda_graph=False)
-    seen = []
-    real = decode._plain_embedding
-    monkeypatch.setattr(decode, "_plain_embedding", lambda *a: seen.append(real(*a)) or seen[-1])
-    gathered = model.generate(ids, **kw)
-    assert seen and all(w is not None and w.data_ptr() == model.model.embed_tokens.weight.data_ptr() for w in seen)
-    model.__dict__.pop("_decode_runners")
-    monkeypatch.setattr(decode, "_plain_embedding", lambda *a: None)
-    assert torch.equal(gathered, model.generate(ids, **kw))
-
-
-def test_a_hooked_embedding_is_left_to_the_model():
-    model = AutoModelForCausalLM.from_pretrained(tiny.checkpoint("qwen3")).to(DEVICE).eval()
-    assert decode._plain_embedding(model, model.device) is not None
-    handle = model.model.embed_tokens.register_forward_hook(lambda m, i, o: o * 2)
-    assert decode._plain_embedding(model, model.device) is None
-    handle.remove()
-    model.model.embed_tokens.max_norm = 1.0
-    assert decode._plain_embedding(model, model.device) is None

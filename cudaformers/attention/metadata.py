@@ -10,7 +10,6 @@ layer; for CUDA-graph capture the tensors live in fixed buffers and only their c
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
@@ -109,14 +108,3 @@ class AttentionBatch:
                 self.max_seqlen_k, self.kv_cache, move(self.slot_mapping), move(self.block_table), self.has_context,
                 self.num_decode_seqs, None if self.rope is None else (move(self.rope[0]), move(self.rope[1])))
         return cache[device]
-
-
-class StepInputs(NamedTuple):
-    """What a decode step over the static cache derives from its positions (and tokens) before the
-    first layer (``generation.decode.step_inputs_torch``, ``kernels/step_inputs.py``)."""
-
-    seqlens: torch.Tensor  # [B] int32 keys per row, this step's included
-    slots: torch.Tensor  # [B] int64 cache slot of the new key and value
-    cu_seqlens_k: torch.Tensor  # [B + 1] int32 prefix sums of seqlens
-    rope: tuple[torch.Tensor, torch.Tensor] | None  # (cos, sin) [B, rotary dim], or None
-    hidden: torch.Tensor | None  # [B, H] the tokens' embeddings, or None

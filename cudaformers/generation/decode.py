@@ -12,7 +12,7 @@ import logging
 import torch
 
 from ..attention.kv_cache import KVCache
-from ..attention.metadata import AttentionBatch, StepInputs
+from ..attention.metadata import AttentionBatch
 from ..device import triton_runs_on
 from ..layers.rotary import RotaryEmbedding
 from .loop import LoopKind, LoopState, advance
@@ -25,18 +25,17 @@ STEP_INPUTS_KERNEL = True
 
 
 def step_inputs_torch(positions: torch.Tensor, block_table: torch.Tensor, block_size: int,
-                      rope_table: tuple[torch.Tensor, torch.Tensor] | None = None,
-                      tokens: torch.Tensor | None = None, embedding: torch.Tensor | None = None) -> StepInputs:
-    """A decode step's inputs from its positions ``[B]`` (int64), ``block_table [B, W]`` int32, and
-    optionally ``rope_table`` ``(cos, sin)`` ``[capacity, rotary dim]`` and the ``tokens [B]`` with
-    their ``embedding [vocab, H]`` table (``kernels/step_inputs.py``'s reference)."""
+                      rope_table: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """A decode step's inputs from its positions ``[B]`` (int64): ``(seqlens [B] int32, slots [B] int64,
+    cu_seqlens_k [B+1] int32, (cos, sin) [B, rotary dim] or None)``; ``block_table [B, W]`` int32,
+    ``rope_table`` ``(cos, sin)`` ``[capacity, rotary dim]`` (``kernels/step_inputs.py``'s reference)."""
     seqlens = (positions + 1).to(torch.int32)
     rows = torch.arange(positions.numel(), device=positions.device)
     slots = block_table[rows, positions // block_size].long() * block_size + positions % block_size
     cu_k = torch.zeros(positions.numel() + 1, dtype=torch.int32, device=positions.device)
     cu_k[1:] = seqlens.cumsum(0)
     rope = None if rope_table is None else (rope_table[0][positions], rope_table[1][positions])
-    return StepInputs(seqlens, slots, cu_k, rope, None if embedding is None else embedding[tokens])
+    return seqlens, slots, cu_k, rope
 
 
 def _rope_table(model, capacity: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -52,21 +51,6 @@ def _rope_table(model, capacity: int) -> tuple[torch.Tensor, torch.Tensor] | Non
     with torch.no_grad():
         cos, sin = rotary(positions, embed.weight.dtype)
     return cos.contiguous(), sin.contiguous()
-
-
-def _plain_embedding(model, device: torch.device) -> torch.Tensor | None:
-    """The model's embedding table where a gather of its rows is exactly what its embedding module
-    computes (a plain, unhooked ``nn.Embedding`` without max_norm, one contiguous tensor on
-    ``device``: not sharded, not quantized), else None (the model embeds its tokens itself)."""
-    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    if type(embed) is not torch.nn.Embedding or embed.max_norm is not None or "forward" in embed.__dict__:
-        return None
-    if embed._forward_hooks or embed._forward_pre_hooks or torch.nn.modules.module._global_forward_hooks:
-        return None
-    weight = embed.weight
-    if type(weight.data) is not torch.Tensor or not weight.is_contiguous() or weight.device != device:
-        return None
-    return weight.detach()
 
 
 class DecodeRunner:
@@ -96,20 +80,15 @@ class DecodeRunner:
         self.prompt = PromptPass(self, use_cuda_graph)  # runner.prompt(rows) -> first logits
 
     def _step(self) -> torch.Tensor:
-        # One launch where Triton runs (kernels/step_inputs.py): lengths, slots, key offsets, rotary rows
-        # and the token embeddings. Switched off, the torch ops, the model's own rotary and embedding,
-        # as before the launch existed.
+        # One launch where Triton runs (kernels/step_inputs.py): lengths, slots, key offsets, rotary rows.
+        # Switched off, the torch ops and the model's own rotary, as before the launch existed.
+        inputs, table = step_inputs_torch, self.rope_table if STEP_INPUTS_KERNEL else None
         if STEP_INPUTS_KERNEL and triton_runs_on(self.positions.device):
-            from ..kernels.step_inputs import step_inputs  # Triton is imported only where it runs
-
-            embedding = _plain_embedding(self.model, self.positions.device)
-            inputs = step_inputs(self.positions, self.block_table, self.block_size, self.rope_table,
-                                 None if embedding is None else self.tokens, embedding)
-        else:
-            inputs = step_inputs_torch(self.positions, self.block_table, self.block_size)
-        batch = AttentionBatch(self.cu_q, inputs.cu_seqlens_k, inputs.seqlens, 1, self.capacity, self.cache,
-                               inputs.slots, self.block_table, has_context=True, rope=inputs.rope)
-        hidden = self.model.model(self.tokens, self.positions, batch, inputs_embeds=inputs.hidden)
+            from ..kernels.step_inputs import step_inputs as inputs  # Triton is imported only where it runs
+        seqlens, slots, cu_k, rope = inputs(self.positions, self.block_table, self.block_size, table)
+        batch = AttentionBatch(self.cu_q, cu_k, seqlens, 1, self.capacity, self.cache, slots, self.block_table,
+                               has_context=True, rope=rope)
+        hidden = self.model.model(self.tokens, self.positions, batch)
         return self.model.compute_logits(hidden)
 
     def capture(self, body, warmups: int = 2):
@@ -156,14 +135,18 @@ class DecodeRunner:
                               tokens=self.tokens, positions=self.positions)
             self.loops[kind] = state
 
-        def body():  # advance moves the positions on with the tokens
-            advance(self._step(), state)
+        def body():
+            logits = self._step()
+            self.positions += 1
+            advance(logits, state)
 
         # Sampling kinds keep advance eager (after a replay of the model step): capturing the
         # sampler failed on the H200 (torch 2.11), and its host cost is small beside a sampled step.
         if not self.use_cuda_graph or generator is not None or kind.sampling:
             def step():
-                advance(self.current_logits(), state, generator)
+                logits = self.current_logits()
+                self.positions += 1
+                advance(logits, state, generator)
             return state, step
         if kind not in self.loop_graphs:
             self.positions.zero_()

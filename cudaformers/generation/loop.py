@@ -43,7 +43,7 @@ class LoopState:
 
     Fixed shapes, so one captured graph serves every later call: ``start`` refills them in place.
     ``tokens`` and ``positions`` are the model step's inputs (the last token of each row and its
-    position: ``advance`` moves both on); the caller may pass its own buffers for them.
+    position); the caller may pass its own buffers for them.
     """
 
     def __init__(self, kind: LoopKind, rows: int, capacity: int, vocab: int, device, tokens=None, positions=None):
@@ -88,7 +88,7 @@ class LoopState:
         self.out.fill_(pad)
         self.finished.zero_()
         self.ends.fill_(max_new)
-        self.positions.copy_(positions - 1)  # the prompt's last token: step 0's advance moves it on
+        self.positions.copy_(positions)
 
     def result(self, steps: int) -> torch.Tensor:
         """The generated tokens ``[B, n]``, columns past the last row's end dropped (the loop may run
@@ -97,8 +97,7 @@ class LoopState:
 
 
 def advance(logits: torch.Tensor, state: LoopState, generator: torch.Generator | None = None) -> None:
-    """Samples this step's token per row from ``logits [B, V]``, records it, and moves each row's
-    ``tokens`` and ``positions`` on to it; no host reads.
+    """Samples this step's token per row from ``logits [B, V]`` and records it; no host reads.
 
     Plain greedy decoding takes two Triton launches (``kernels/greedy_advance.py``) where Triton runs
     (CUDA, or the interpreter); everything else, and the CPU, runs ``advance_torch``."""
@@ -126,7 +125,6 @@ def advance_torch(logits: torch.Tensor, state: LoopState, generator: torch.Gener
         state.seen.scatter_(1, tokens[:, None], True)
     close_finished(state, state.step + 1)
     state.tokens.copy_(tokens)
-    state.positions += 1
     state.step += 1
 
 
