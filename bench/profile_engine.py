@@ -176,6 +176,9 @@ def fake_engine(args):
         def attention_layers(self):
             return []
 
+        def graph_blockers(self):
+            return []
+
         def compute_logits(self, hidden):
             return self.logits[:hidden.shape[0]]
 
