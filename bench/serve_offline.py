@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import emit, environment, random_checkpoint  # noqa: E402
+from common import emit, environment, new_variants, random_checkpoint, triton_variants  # noqa: E402
 
 NEW = 256
 
@@ -98,10 +98,12 @@ def run_ours(folder, inputs, attn: str, kernels: bool, check: int = 0, **engine_
     startup = time.perf_counter() - t0  # KV-cache sizing, graph capture, first compiles
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
+    variants = triton_variants()
     start = time.perf_counter()
     out = generate_batch(model, inputs, gen, persistent_manager=True, **engine_kw)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
+    compiled = new_variants(variants, triton_variants())  # kernels compiled inside the timed run
     engine = model._cudaformers_engine[1]
     stats = engine.stats()
     tokens = {int(k.split("_")[-1]): v.generated_tokens for k, v in out.items()}
@@ -115,7 +117,7 @@ def run_ours(folder, inputs, attn: str, kernels: bool, check: int = 0, **engine_
     del model
     _free()
     return dict(seconds=seconds, tokens=tokens, peak_gib=peak, startup_s=startup, setting=setting,
-                preemptions=stats["preemptions"], agreement=agreement)
+                preemptions=stats["preemptions"], agreement=agreement, compiled_in_run=compiled)
 
 
 def main(argv=None) -> int:
@@ -155,7 +157,10 @@ def main(argv=None) -> int:
         record[k] = dict(tok_s=round(tps, 1), seconds=round(r["seconds"], 3), peak_gib=round(r["peak_gib"], 2),
                          setting=r["setting"], output_tokens=n_out[k])
         if "startup_s" in r:
-            record[k].update(startup_s=round(r["startup_s"], 2), preemptions=r["preemptions"])
+            record[k].update(startup_s=round(r["startup_s"], 2), preemptions=r["preemptions"],
+                             compiled_in_run=r["compiled_in_run"])
+            if r["compiled_in_run"]:  # each a stall of the whole batch (seconds on a cold cache)
+                print(f"  Triton variants compiled inside the timed run: {r['compiled_in_run']}")
         if r.get("agreement"):
             a = r["agreement"]
             print(f"  engine vs generate(), {a['requests']} requests in bf16: {a['equal_share']:.0%} equal end to end, "
