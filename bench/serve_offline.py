@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import emit, environment, new_variants, random_checkpoint, triton_variants  # noqa: E402
+from common import emit, environment, random_checkpoint, triton_variants  # noqa: E402
 
 NEW = 256
 
@@ -98,12 +98,18 @@ def run_ours(folder, inputs, attn: str, kernels: bool, check: int = 0, **engine_
     startup = time.perf_counter() - t0  # KV-cache sizing, graph capture, first compiles
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    variants = triton_variants()
+    variants = triton_variants(keys=True)
     start = time.perf_counter()
     out = generate_batch(model, inputs, gen, persistent_manager=True, **engine_kw)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    compiled = new_variants(variants, triton_variants())  # kernels compiled inside the timed run
+    after = triton_variants(keys=True)  # kernels compiled inside the timed run, with their keys
+    compiled = {k: len(v - variants.get(k, set())) for k, v in after.items() if v - variants.get(k, set())}
+    for name in compiled:
+        for key in sorted(after[name] - variants.get(name, set())):
+            print(f"  compiled in the run: {name} {key[:600]}")
+        for key in sorted(variants.get(name, set())):
+            print(f"  compiled before it:  {name} {key[:600]}")
     engine = model._cudaformers_engine[1]
     stats = engine.stats()
     tokens = {int(k.split("_")[-1]): v.generated_tokens for k, v in out.items()}

@@ -142,3 +142,23 @@ def test_tp_plan_auto_inference_matches_single_process(tmp_path):
     for r in got:
         assert r["tp_size"] == 2 and r["heads"] == 2
         torch.testing.assert_close(torch.tensor(r["logits"]), want, rtol=1e-4, atol=1e-4)
+
+
+def test_model_output_shows_its_loss_to_fsdp():
+    """FSDP2 before torch 2.13 finds the tensors a module returns with tree_flatten, and hooks those
+    that need gradients to gather the module's parameters again before its backward. An output type
+    that flattens to itself hides the loss: the resharded root's final norm and lm_head weights were
+    read freed in backward (an illegal address on an H200)."""
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+
+    import tiny
+    from cudaformers import AutoModelForCausalLM
+    from cudaformers.models.outputs import CausalLMOutput
+
+    model = AutoModelForCausalLM.from_pretrained(tiny.checkpoint("qwen3"))
+    ids = torch.randint(3, 200, (2, 7), generator=torch.Generator().manual_seed(0))
+    out = model(ids, labels=ids)
+    leaves, spec = tree_flatten(out)
+    assert any(leaf is out.loss for leaf in leaves) and out.loss.requires_grad
+    back = tree_unflatten(leaves, spec)
+    assert isinstance(back, CausalLMOutput) and back.loss is out.loss and back.logits is out.logits

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 import torch
+from torch.utils import _pytree
 
 
 @dataclass
@@ -25,3 +26,15 @@ class CausalLMOutput:
 
     def to_tuple(self):
         return tuple(v for _, v in self._present())
+
+
+# A pytree node, as transformers registers its outputs: FSDP2 finds the tensors a module returns with
+# tree_flatten (before torch 2.13) and hooks the gradient-requiring ones to gather the module's
+# parameters again before its backward. As a leaf, the loss went unhooked: a resharded root's
+# weights (final norm, lm_head) were read freed in backward (an illegal address on CUDA).
+_pytree.register_pytree_node(
+    CausalLMOutput,
+    lambda out: ([out.loss, out.logits], None),
+    lambda children, _: CausalLMOutput(*children),
+    serialized_type_name=f"{CausalLMOutput.__module__}.{CausalLMOutput.__qualname__}",
+)
