@@ -67,6 +67,21 @@ def test_device_map_dict_and_auto_on_cpu():
         AutoModelForCausalLM.from_pretrained(folder, device_map={"model.layers": "cpu"})
 
 
+@pytest.mark.parametrize("name", ["qwen3", "llama"])
+def test_device_map_by_unit_places_every_buffer(name):
+    """The placement "auto" makes names each unit (embeddings, every layer, final norm, head), not the
+    parameter-free rotary embedding: its buffers must not stay on the meta device."""
+    from cudaformers.loading.device_map import placement_units
+
+    folder = tiny.checkpoint(name)
+    whole = AutoModelForCausalLM.from_pretrained(folder)
+    by_unit = AutoModelForCausalLM.from_pretrained(folder, device_map={u: "cpu" for u in placement_units(whole)})
+    assert not [n for n, t in [*by_unit.named_parameters(), *by_unit.named_buffers()] if t.is_meta]
+    ids = torch.randint(3, 211, (2, 6), generator=torch.Generator().manual_seed(1))
+    kw = dict(max_new_tokens=5, do_sample=False, eos_token_id=None)
+    assert torch.equal(by_unit.generate(ids, **kw), whole.generate(ids, **kw))
+
+
 def test_cuda_without_gpu_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     with pytest.raises(UnsupportedError, match="no GPU is visible"):

@@ -77,4 +77,9 @@ def test_sampling_on_gpu_is_seeded():
 
 def test_device_map_auto_places_on_gpu():
     model = AutoModelForCausalLM.from_pretrained(tiny.checkpoint("qwen2"), device_map="auto")
-    assert all(p.device.type == "cuda" for p in model.parameters())
+    assert all(t.device.type == "cuda" for t in [*model.parameters(), *model.buffers()])
+    # "auto" places unit by unit; its greedy tokens (CUDA graphs on one GPU) are those of device_map="cuda"
+    one = AutoModelForCausalLM.from_pretrained(tiny.checkpoint("qwen2"), device_map="cuda")
+    ids = torch.randint(3, 200, (2, 9), generator=torch.Generator().manual_seed(3)).cuda()
+    kw = dict(max_new_tokens=12, do_sample=False, eos_token_id=None)
+    assert torch.equal(model.generate(ids, **kw), one.generate(ids, **kw))
