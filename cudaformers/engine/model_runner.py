@@ -116,8 +116,10 @@ class ModelRunner:
         step, its compilation and autotuning (seconds) would stall every running request. The
         chunk is as large as a step allows, so the autotuner picks tiles for the shape that counts.
         Two steps: one whose token count is a multiple of 16 and one whose is not, since Triton
-        compiles a variant per divisibility of integer arguments that follow the token count.
-        Writes only into blocks no request holds yet (the cache is empty at start).
+        compiles a variant per divisibility of integer arguments that follow the token count. A
+        third samples a few dozen rows at most (a step where few prompts end), whose logits take
+        the skinny GEMM rather than cuBLAS. Writes only into blocks no request holds yet (the
+        cache is empty at start).
         """
         start = time.perf_counter()
         bs = self.block_size
@@ -126,12 +128,13 @@ class ModelRunner:
         chunk = max(2, min(self.max_batch_tokens - num_decodes, (self.num_blocks - 1) * bs - context,
                            self.max_model_len - context))
         aligned = chunk - (chunk + num_decodes) % 16
-        sizes = [aligned, aligned - 1] if aligned >= 3 else [chunk]
-        for n in sizes:
-            self._eager(*self._warm_up_batch(n, context, num_decodes))
+        steps = [(aligned, num_decodes), (aligned - 1, num_decodes)] if aligned >= 3 else [(chunk, num_decodes)]
+        steps.append((chunk, min(num_decodes, 20)))
+        for n, decodes in steps:
+            self._eager(*self._warm_up_batch(n, context, decodes))
         if self.is_cuda:
             torch.cuda.synchronize(self.device)
-        logger.info("warmed up mixed prefill + decode steps (%s + %d tokens) in %.1f s", sizes, num_decodes,
+        logger.info("warmed up mixed prefill + decode steps (%s tokens + decodes) in %.1f s", steps,
                     time.perf_counter() - start)
 
     def _warm_up_batch(self, chunk: int, context: int, num_decodes: int):

@@ -66,7 +66,10 @@ def _store_rows(acc, b_ptr, y_ptr, offs_n, offs_m, n_ok, m_ok, stride_ym, HAS_BI
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
 
 
-@triton.jit
+# M (the rows) varies from call to call; specialised, it would compile a variant for rows divisible by 16
+# and one for the rest, and a serving engine's first eager step with an unseen kind would stall
+# every request while it compiles. The rows only bound masks and offsets, which lose nothing.
+@triton.jit(do_not_specialize=["M"])
 def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, K_SPLIT, NUM_SPLITS, stride_xm,
                    stride_wn, stride_ym, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
