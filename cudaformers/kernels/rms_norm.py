@@ -42,7 +42,9 @@ def _row_offsets(rows, n_inner, stride_o, stride_i):
     return (rows // n_inner) * stride_o + (rows % n_inner) * stride_i
 
 
-@triton.jit
+# The row counts follow the step's token count: specialised, each divisibility class (and a single
+# row) compiled its own variant, and a serving engine compiled them while requests waited (W5).
+@triton.jit(do_not_specialize=["n_rows", "n_inner"])
 def _rms_norm_fwd(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, rstd_ptr, n_rows, n_cols, eps,
                   n_inner, stride_xo, stride_xi, stride_ro, stride_ri,
                   HAS_RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
