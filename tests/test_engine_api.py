@@ -131,3 +131,25 @@ def test_engine_attention_default_is_triton_on_cuda_and_sdpa_elsewhere():
 
     assert engine_attention(torch.device("cpu")) == "sdpa"
     assert engine_attention(torch.device("cuda", 0)) == "triton"  # decided from the device alone
+
+
+def test_warm_up_steps_leave_the_cache_to_requests():
+    """The engine's start-up warm-up (run on CUDA: prefill + decode steps at every chunk size class)
+    writes only blocks no request holds: tokens after it equal generate()'s."""
+    from cudaformers.engine.continuous_batching import destroy_cached_engine
+
+    gen = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=None)
+    kw = dict(num_blocks=128, block_size=4, max_batch_tokens=320, persistent_manager=True)
+    m = AutoModelForCausalLM.from_pretrained(tiny.checkpoint("qwen3"))
+    try:
+        generate_batch(m, PROMPTS[:1], generation_config=gen, **kw)
+        runner = m._cudaformers_engine[1].runner
+        steps = []
+        real = runner._eager
+        runner._eager = lambda batch, *a: steps.append(batch.num_tokens) or real(batch, *a)
+        runner.warm_up_mixed_step()
+        assert len(steps) >= 5 and steps[-1] < steps[0] / 2  # the chunk sizes halve
+        out = generate_batch(m, PROMPTS, generation_config=gen, **kw)
+        assert [out[f"req_{i}"].generated_tokens for i in range(len(PROMPTS))] == [greedy(p, 6) for p in PROMPTS]
+    finally:
+        destroy_cached_engine(m)

@@ -118,8 +118,10 @@ class ModelRunner:
         Two steps: one whose token count is a multiple of 16 and one whose is not, since Triton
         compiles a variant per divisibility of integer arguments that follow the token count. A
         third samples a few dozen rows at most (a step where few prompts end), whose logits take
-        the skinny GEMM rather than cuBLAS. Writes only into blocks no request holds yet (the
-        cache is empty at start).
+        the skinny GEMM rather than cuBLAS. Then chunks halving down to a few dozen tokens: kernels
+        pick their tiles by row count (the RMSNorm shrinks its row block while its grid would
+        leave SMs idle), and each tile is a variant to compile; an online server's steps are mostly
+        small. Writes only into blocks no request holds yet (the cache is empty at start).
         """
         start = time.perf_counter()
         bs = self.block_size
@@ -130,6 +132,10 @@ class ModelRunner:
         aligned = chunk - (chunk + num_decodes) % 16
         steps = [(aligned, num_decodes), (aligned - 1, num_decodes)] if aligned >= 3 else [(chunk, num_decodes)]
         steps.append((chunk, min(num_decodes, 20)))
+        smaller = chunk // 2
+        while smaller >= 32:
+            steps.append((smaller, min(num_decodes, 20)))
+            smaller //= 2
         for n, decodes in steps:
             self._eager(*self._warm_up_batch(n, context, decodes))
         if self.is_cuda:
