@@ -177,14 +177,17 @@ def report(path: str) -> None:
     rows = [json.loads(line) for line in open(path) if line.strip()]
     train = [r for r in rows if r.get("task") == "train"]
     base = next((r for r in train if r["strategy"] == "single"), None)
+    def rate(r):  # the trainer's steady steps (the first compile Triton kernels), else the whole run
+        return r.get("logged_tok_s") or r["wall_tok_s"]
+
     print(f"{'strategy':9} {'GPUs':>4} {'tok/s':>10} {'per GPU':>9} {'scaling':>8} {'max loss diff':>14} {'peak GiB':>9}")
     for r in train:
-        per_gpu = r["wall_tok_s"] / r["world"]
-        scaling = f"{per_gpu / base['wall_tok_s']:.0%}" if base else "-"
+        per_gpu = rate(r) / r["world"]
+        scaling = f"{per_gpu / rate(base):.0%}" if base else "-"
         diff = "-"
         if base and len(base["losses"]) == len(r["losses"]):
             diff = f"{max(abs(a - b) / abs(b) for a, b in zip(r['losses'], base['losses'])):.2e}"
-        print(f"{r['strategy']:9} {r['world']:>4} {r['wall_tok_s']:>10} {per_gpu:>9.0f} {scaling:>8} {diff:>14} "
+        print(f"{r['strategy']:9} {r['world']:>4} {rate(r):>10.0f} {per_gpu:>9.0f} {scaling:>8} {diff:>14} "
               f"{r['peak_gib']:>9}")
     for r in rows:
         if r.get("task") == "infer-tp":

@@ -25,13 +25,13 @@ def _run(args, tmp_path, procs=None):
 def test_tiny_runs_match_one_process(tmp_path):
     out = str(tmp_path / "multi.jsonl")
     _run(["train", "--strategy", "single", "--shape", "tiny", "--steps", "4", "--json", out], tmp_path)
-    for strategy in ("ddp", "tp"):
+    for strategy in ("ddp", "fsdp", "tp"):
         _run(["train", "--strategy", strategy, "--shape", "tiny", "--steps", "4", "--json", out], tmp_path, procs=2)
     _run(["infer-tp", "--shape", "tiny", "--json", out], tmp_path, procs=2)
     rows = [json.loads(line) for line in open(out)]
     train = {r["strategy"]: r for r in rows if r["task"] == "train"}
-    assert set(train) == {"single", "ddp", "tp"} and train["ddp"]["world"] == 2 and train["tp"]["world"] == 2
-    for strategy in ("ddp", "tp"):  # the same loss curve as one process (fp32 on the CPU)
+    assert set(train) == {"single", "ddp", "fsdp", "tp"} and all(train[s]["world"] == 2 for s in ("ddp", "fsdp", "tp"))
+    for strategy in ("ddp", "fsdp", "tp"):  # the same loss curve as one process (fp32 on the CPU)
         for a, b in zip(train[strategy]["losses"], train["single"]["losses"], strict=True):
             assert abs(a - b) <= 1e-5 * abs(b), (strategy, train[strategy]["losses"], train["single"]["losses"])
     infer = next(r for r in rows if r["task"] == "infer-tp")
