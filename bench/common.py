@@ -136,26 +136,23 @@ def random_checkpoint(shape: str, folder: Path | None = None) -> Path:
     return folder
 
 
-def triton_variants(keys: bool = False) -> dict:
-    """Compiled variants of every Triton kernel this process holds, by kernel name (Triton compiles one
-    per divisibility of integer arguments and per constexpr set); with ``keys``, the set of their
-    specialisation keys instead of the count. A difference across a timed run names the kernels
-    that compiled during it."""
+def triton_variants() -> dict[str, set[str]]:
+    """The specialisation keys of every compiled variant of every Triton kernel this process holds, by
+    kernel name (Triton compiles one per divisibility of integer arguments and per constexpr set). A
+    difference across a timed run names the kernels that compiled during it."""
     import gc
     import warnings
-    from collections import Counter
 
     from triton.runtime.jit import JITFunction
 
-    counts, found = Counter(), {}
+    found: dict[str, set[str]] = {}
     with warnings.catch_warnings():  # isinstance on some of torch's deprecated module attributes warns
         warnings.simplefilter("ignore")
         for obj in gc.get_objects():
             if isinstance(obj, JITFunction):
                 for entry in getattr(obj, "device_caches", {}).values():
-                    counts[obj.__name__] += len(entry[0])
                     found.setdefault(obj.__name__, set()).update(str(k) for k in entry[0])
-    return found if keys else dict(counts)
+    return found
 
 
 def emit(record: dict, path: str | None = None) -> None:

@@ -177,6 +177,7 @@ def report(path: str) -> None:
     rows = [json.loads(line) for line in open(path) if line.strip()]
     train = [r for r in rows if r.get("task") == "train"]
     base = next((r for r in train if r["strategy"] == "single"), None)
+
     def rate(r):  # the trainer's steady steps (the first compile Triton kernels), else the whole run
         return r.get("logged_tok_s") or r["wall_tok_s"]
 

@@ -98,18 +98,16 @@ def run_ours(folder, inputs, attn: str, kernels: bool, check: int = 0, **engine_
     startup = time.perf_counter() - t0  # KV-cache sizing, graph capture, first compiles
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    variants = triton_variants(keys=True)
+    before = triton_variants()
     start = time.perf_counter()
     out = generate_batch(model, inputs, gen, persistent_manager=True, **engine_kw)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    after = triton_variants(keys=True)  # kernels compiled inside the timed run, with their keys
-    compiled = {k: len(v - variants.get(k, set())) for k, v in after.items() if v - variants.get(k, set())}
+    new = {k: keys - before.get(k, set()) for k, keys in triton_variants().items()}  # compiled in the timed run
+    compiled = {k: len(keys) for k, keys in new.items() if keys}
     for name in compiled:
-        for key in sorted(after[name] - variants.get(name, set())):
+        for key in sorted(new[name]):
             print(f"  compiled in the run: {name} {key[:600]}")
-        for key in sorted(variants.get(name, set())):
-            print(f"  compiled before it:  {name} {key[:600]}")
     engine = model._cudaformers_engine[1]
     stats = engine.stats()
     tokens = {int(k.split("_")[-1]): v.generated_tokens for k, v in out.items()}

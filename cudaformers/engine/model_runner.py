@@ -131,11 +131,8 @@ class ModelRunner:
                            self.max_model_len - context))
         aligned = chunk - (chunk + num_decodes) % 16
         steps = [(aligned, num_decodes), (aligned - 1, num_decodes)] if aligned >= 3 else [(chunk, num_decodes)]
-        steps.append((chunk, min(num_decodes, 20)))
-        smaller = chunk // 2
-        while smaller >= 32:
-            steps.append((smaller, min(num_decodes, 20)))
-            smaller //= 2
+        few = min(num_decodes, 20)  # with the chunk's own row: a few dozen sampled rows at most
+        steps += [(chunk >> i, few) for i in range(chunk.bit_length()) if i == 0 or chunk >> i >= 32]
         for n, decodes in steps:
             self._eager(*self._warm_up_batch(n, context, decodes))
         if self.is_cuda:

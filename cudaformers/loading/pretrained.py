@@ -119,17 +119,12 @@ def load_pretrained(path_or_repo_id, *, model_class=None, dtype="auto", torch_dt
 
 
 def _materialize(model, placement) -> None:
-    """Give every meta parameter and buffer real (uninitialised) storage on its device."""
-    for prefix, dev in sorted(placement.items(), key=lambda kv: len(kv[0])):
-        target = model.get_submodule(prefix) if prefix else model
-        target.to_empty(device=dev, recurse=True)
-    # A placement by unit ("auto") names no parameter-free module such as the rotary embedding, whose
-    # buffers would stay on the meta device: they go where the forward starts, with the embeddings.
+    """Give every meta parameter and buffer real (uninitialised) storage on its device. A module the
+    placement does not name (by unit, "auto" names no parameter-free module such as the rotary
+    embedding) goes where the forward starts, with the embeddings."""
     first = dm.device_of("model.embed_tokens", placement) or next(iter(placement.values()))
     for name, module in model.named_modules():
-        own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
-        if any(t.is_meta for t in own):
-            module.to_empty(device=dm.device_of(name, placement) or first, recurse=False)
+        module.to_empty(device=dm.device_of(name, placement) or first, recurse=False)
     for module in model.modules():
         if hasattr(module, "reset_parameters") and not list(module.parameters(recurse=False)) \
                 and list(module.buffers(recurse=False)):
