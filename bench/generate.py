@@ -80,6 +80,15 @@ def run_ours(folder, batch, variant, check_eager) -> dict:
 
     decode.STEP_INPUTS_KERNEL = "torchinputs" not in flags
     fused_norm_decode.FUSE_ATTENTION = "nofuseattn" not in flags
+    # l2o / l2og / l2ogd: ask L2 for the o (+ gate/up, + down) weights during the attention;
+    # l2att: launched after qk_norm_rope; l2early: the requests do not wait for the q/k/v GEMV
+    for flag, names in (("l2o", ("o",)), ("l2og", ("o", "gate_up")), ("l2ogd", ("o", "gate_up", "down")),
+                        ("l2gd", ("gate_up", "down"))):
+        if flag in flags:
+            fused_norm_decode.PREFETCH_NEXT = names
+    fused_norm_decode.PREFETCH_AT = "attention" if "l2att" in flags else "rope"
+    fused_norm_decode.PREFETCH_WAIT_FIRST = "l2early" not in flags
+    fused_norm_decode.PREFETCH_MAX_ROWS = 64 if "l2b32" in flags else 4
     try:
         model.generate(ids, **kw)
         runs = sorted((timed(lambda: model.generate(ids, **kw)) for _ in range(REPEATS)), key=lambda r: r[1])
@@ -88,6 +97,8 @@ def run_ours(folder, batch, variant, check_eager) -> dict:
     finally:
         decode.STEP_INPUTS_KERNEL = True
         fused_norm_decode.FUSE_ATTENTION = True
+        fused_norm_decode.PREFETCH_NEXT, fused_norm_decode.PREFETCH_AT = (), "rope"
+        fused_norm_decode.PREFETCH_WAIT_FIRST, fused_norm_decode.PREFETCH_MAX_ROWS = True, 4
     weight_bytes = sum(p.numel() * p.element_size() for p in set(model.parameters()))
     explain = model.explain()
     del model

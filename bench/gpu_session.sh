@@ -122,6 +122,13 @@ for part in "${parts[@]}"; do
            python3 bench/distributed.py report --json "$OUT/multi.jsonl" ;;
     inputs-ab) run inputs-ab 150 python3 bench/generate.py --skip-hf --workloads W1,W3 --check-eager \
                  --variants triton+kernels,triton+kernels+torchinputs,triton+kernels --json "$OUT/results.jsonl" ;;
+    prefetch-ab) run prefetch-ab 240 python3 bench/generate.py --skip-hf --workloads W1 --variants \
+                   triton+kernels,triton+kernels+l2o,triton+kernels+l2og,triton+kernels+l2ogd,triton+kernels+l2gd,\
+triton+kernels+l2og+l2att,triton+kernels+l2ogd+l2att,triton+kernels+l2og+l2early,triton+kernels \
+                   --json "$OUT/results.jsonl" ;;
+    prefetch-ab-32) run prefetch-ab-32 150 python3 bench/generate.py --skip-hf --workloads W3 --variants \
+                      triton+kernels,triton+kernels+l2og+l2b32,triton+kernels+l2ogd+l2b32+l2att,triton+kernels \
+                      --json "$OUT/results.jsonl" ;;
     fold-ab) run fold-ab 200 python3 bench/generate.py --skip-hf --workloads W1,W2,W3 \
                --variants triton+kernels,triton+kernels+nofold --json "$OUT/results.jsonl" ;;
     attention-graph) run attention-graph 200 python3 -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider -n 8 \
