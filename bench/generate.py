@@ -89,6 +89,7 @@ def run_ours(folder, batch, variant, check_eager) -> dict:
     fused_norm_decode.PREFETCH_AT = "attention" if "l2att" in flags else "rope"
     fused_norm_decode.PREFETCH_WAIT_FIRST = "l2early" not in flags
     fused_norm_decode.PREFETCH_MAX_ROWS = 64 if "l2b32" in flags else 4
+    fused_norm_decode.PREFETCH_BULK = "l2lines" not in flags
     try:
         model.generate(ids, **kw)
         runs = sorted((timed(lambda: model.generate(ids, **kw)) for _ in range(REPEATS)), key=lambda r: r[1])
@@ -99,6 +100,7 @@ def run_ours(folder, batch, variant, check_eager) -> dict:
         fused_norm_decode.FUSE_ATTENTION = True
         fused_norm_decode.PREFETCH_NEXT, fused_norm_decode.PREFETCH_AT = (), "rope"
         fused_norm_decode.PREFETCH_WAIT_FIRST, fused_norm_decode.PREFETCH_MAX_ROWS = True, 4
+        fused_norm_decode.PREFETCH_BULK = True
     weight_bytes = sum(p.numel() * p.element_size() for p in set(model.parameters()))
     explain = model.explain()
     del model

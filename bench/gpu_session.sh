@@ -129,6 +129,10 @@ triton+kernels+l2og+l2att,triton+kernels+l2ogd+l2att,triton+kernels+l2og+l2early
     prefetch-ab-32) run prefetch-ab-32 150 python3 bench/generate.py --skip-hf --workloads W3 --variants \
                       triton+kernels,triton+kernels+l2og+l2b32,triton+kernels+l2ogd+l2b32+l2att,triton+kernels \
                       --json "$OUT/results.jsonl" ;;
+    l2-upside) run l2-upside 60 python3 bench/l2_upside.py ;;
+    prefetch-ab2) run prefetch-ab2 150 python3 bench/generate.py --skip-hf --workloads W1 --variants \
+                    triton+kernels,triton+kernels+l2o+l2lines,triton+kernels+l2og+l2lines+l2att,triton+kernels+l2o+l2att,\
+triton+kernels --json "$OUT/results.jsonl" ;;
     fold-ab) run fold-ab 200 python3 bench/generate.py --skip-hf --workloads W1,W2,W3 \
                --variants triton+kernels,triton+kernels+nofold --json "$OUT/results.jsonl" ;;
     attention-graph) run attention-graph 200 python3 -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider -n 8 \

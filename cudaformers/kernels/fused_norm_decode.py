@@ -52,6 +52,7 @@ FUSE_ATTENTION_WITH_PDL = False  # measured slower under PDL on an H200 (module 
 PREFETCH_NEXT: tuple[str, ...] = ()
 PREFETCH_AT = "rope"
 PREFETCH_WAIT_FIRST = True
+PREFETCH_BULK = True
 PREFETCH_MAX_ROWS = 4
 
 
@@ -172,14 +173,14 @@ def _attend(attn: Attention, q, k, v, cos, sin, batch, prefetch=()) -> torch.Ten
     from .l2_prefetch import prefetch_weights
 
     if PREFETCH_AT == "rope":
-        prefetch_weights(prefetch, PREFETCH_WAIT_FIRST)
+        prefetch_weights(prefetch, PREFETCH_WAIT_FIRST, PREFETCH_BULK)
         return attn.attend(q, k, v, cos, sin, batch)
     t, d = q.shape[0], attn.head_dim
     q, k, v = q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)
     cache, i = batch.kv_cache, attn.layer_idx
     store = None if cache is None else KVStore(v, cache.k[i], cache.v[i], batch.slot_mapping)
     q, k = attn.rotary(q, k, cos, sin, attn.q_norm, attn.k_norm, kv_store=store)
-    prefetch_weights(prefetch, PREFETCH_WAIT_FIRST)
+    prefetch_weights(prefetch, PREFETCH_WAIT_FIRST, PREFETCH_BULK)
     out = attn.backend(q, k, v, batch, i, attn.scaling, attn.sliding_window, kv_stored=store is not None)
     return attn.o_proj(out.reshape(t, -1))
 

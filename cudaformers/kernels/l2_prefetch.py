@@ -56,28 +56,34 @@ PIECE: tl.constexpr = tl.constexpr(PIECE_BYTES)
 
 
 @triton.jit
+def _prefetch(base, nbytes, start, offs, BULK: tl.constexpr):
+    p, s = _region(base, nbytes, start, offs)
+    if BULK:
+        _bulk_prefetch(p, s)
+    else:  # one line per element; lines past the region repeat its first
+        prefetch_l2(tl.where(s > 0, p, base))
+
+
+@triton.jit
 def _prefetch_kernel(A, a_bytes, B, b_bytes, C, c_bytes, D, d_bytes, PIECES: tl.constexpr,
-                     WAIT_FIRST: tl.constexpr, USE_PDL: tl.constexpr):
+                     WAIT_FIRST: tl.constexpr, USE_PDL: tl.constexpr, BULK: tl.constexpr):
     # The regions are weights: no kernel of the step writes them, so the requests may go out before
     # the wait. WAIT_FIRST holds them until the previous kernel ends (it may be streaming HBM itself).
     if WAIT_FIRST:
         wait_for_producer(USE_PDL)
         release_dependents(USE_PDL)
-    offs = (tl.program_id(0) * PIECES + tl.arange(0, PIECES)).to(tl.int64) * PIECE
-    p, s = _region(A, a_bytes, 0, offs)
-    _bulk_prefetch(p, s)
-    p, s = _region(B, b_bytes, a_bytes, offs)
-    _bulk_prefetch(p, s)
-    p, s = _region(C, c_bytes, a_bytes + b_bytes, offs)
-    _bulk_prefetch(p, s)
-    p, s = _region(D, d_bytes, a_bytes + b_bytes + c_bytes, offs)
-    _bulk_prefetch(p, s)
+    step = PIECE if BULK else 128
+    offs = (tl.program_id(0) * PIECES + tl.arange(0, PIECES)).to(tl.int64) * step
+    _prefetch(A, a_bytes, 0, offs, BULK)
+    _prefetch(B, b_bytes, a_bytes, offs, BULK)
+    _prefetch(C, c_bytes, a_bytes + b_bytes, offs, BULK)
+    _prefetch(D, d_bytes, a_bytes + b_bytes + c_bytes, offs, BULK)
     if not WAIT_FIRST:
         wait_for_producer(USE_PDL)
         release_dependents(USE_PDL)
 
 
-def prefetch_weights(tensors, wait_first: bool = True) -> None:
+def prefetch_weights(tensors, wait_first: bool = True, bulk: bool = True) -> None:
     """Ask L2 for the bytes of up to ``MAX_REGIONS`` CUDA tensors (contiguous), in one launch on the
     current stream; returns at once. Only for Hopper and newer (the bulk prefetch is sm_90)."""
     tensors = [t for t in tensors if t is not None]
@@ -96,7 +102,9 @@ def prefetch_weights(tensors, wait_first: bool = True) -> None:
     while len(regions) < 2 * MAX_REGIONS:
         regions += [regions[0], 0]
     total = sum(regions[1::2])
-    grid = (triton.cdiv(total, PIECE_BYTES * _PIECES),)
+    # bulk: a warp of 16 KB pieces per program; else 128-byte lines, 16 a thread of 4 warps
+    pieces, piece, warps = (_PIECES, PIECE_BYTES, 1) if bulk else (2048, LINE_BYTES, 4)
+    grid = (triton.cdiv(total, piece * pieces),)
     pdl = pdl_enabled(device)
-    _prefetch_kernel[grid](*regions, PIECES=_PIECES, WAIT_FIRST=wait_first, USE_PDL=pdl, num_warps=1,
-                           launch_pdl=pdl)
+    _prefetch_kernel[grid](*regions, PIECES=pieces, WAIT_FIRST=wait_first, USE_PDL=pdl, BULK=bulk,
+                           num_warps=warps, launch_pdl=pdl)
