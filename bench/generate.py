@@ -80,6 +80,17 @@ def run_ours(folder, batch, variant, check_eager) -> dict:
 
     decode.STEP_INPUTS_KERNEL = "torchinputs" not in flags
     fused_norm_decode.FUSE_ATTENTION = "nofuseattn" not in flags
+    # skinnyN: 17-32-row skinny launches aim for N/100 programs per SM; splitA.T.S: busy paged-decode
+    # grids split past A keys into pieces of >= T tiles with S stages
+    from cudaformers.kernels import paged_decode, skinny_gemm
+
+    for f in flags:
+        if f.startswith("skinny") and f[6:].isdigit():
+            skinny_gemm.WIDE_PROGRAMS_PER_SM = int(f[6:]) / 100
+        if f.startswith("split") and f.count(".") == 2:
+            paged_decode.BUSY_SPLIT_ABOVE, paged_decode.BUSY_SPLIT_TILES, paged_decode.BUSY_STAGES = map(
+                int, f[5:].split("."))
+    paged_decode.default_tiling.cache_clear()
     # l2o / l2og / l2ogd: ask L2 for the o (+ gate/up, + down) weights during the attention;
     # l2att: launched after qk_norm_rope; l2early: the requests do not wait for the q/k/v GEMV
     for flag, names in (("l2o", ("o",)), ("l2og", ("o", "gate_up")), ("l2ogd", ("o", "gate_up", "down")),
@@ -98,6 +109,9 @@ def run_ours(folder, batch, variant, check_eager) -> dict:
     finally:
         decode.STEP_INPUTS_KERNEL = True
         fused_norm_decode.FUSE_ATTENTION = True
+        skinny_gemm.WIDE_PROGRAMS_PER_SM = 1 / 3
+        paged_decode.BUSY_SPLIT_ABOVE, paged_decode.BUSY_SPLIT_TILES, paged_decode.BUSY_STAGES = 2048, 3, 4
+        paged_decode.default_tiling.cache_clear()
         fused_norm_decode.PREFETCH_NEXT, fused_norm_decode.PREFETCH_AT = (), "rope"
         fused_norm_decode.PREFETCH_WAIT_FIRST, fused_norm_decode.PREFETCH_MAX_ROWS = True, 4
         fused_norm_decode.PREFETCH_BULK = True

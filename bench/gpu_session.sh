@@ -133,6 +133,11 @@ triton+kernels+l2og+l2att,triton+kernels+l2ogd+l2att,triton+kernels+l2og+l2early
     prefetch-ab2) run prefetch-ab2 150 python3 bench/generate.py --skip-hf --workloads W1 --variants \
                     triton+kernels,triton+kernels+l2o+l2lines,triton+kernels+l2og+l2lines+l2att,triton+kernels+l2o+l2att,\
 triton+kernels --json "$OUT/results.jsonl" ;;
+    w3-ab) run w3-ab 240 python3 bench/generate.py --skip-hf --workloads W3 --variants \
+             triton+kernels,triton+kernels+skinny50,triton+kernels+skinny100,triton+kernels+split128.1.3,\
+triton+kernels+split128.1.2,triton+kernels+split256.2.4,triton+kernels --json "$OUT/results.jsonl" ;;
+    paged-decode-32) run paged-decode-32 120 python3 bench/paged_decode.py --sweep --batches 32 --contexts 130,260,384 \
+                       --pages 256 ;;
     fold-ab) run fold-ab 200 python3 bench/generate.py --skip-hf --workloads W1,W2,W3 \
                --variants triton+kernels,triton+kernels+nofold --json "$OUT/results.jsonl" ;;
     attention-graph) run attention-graph 200 python3 -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider -n 8 \

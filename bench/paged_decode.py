@@ -40,7 +40,9 @@ CAPACITY = 16384
 BATCHES, CONTEXTS, PAGES = (1, 32), (130, 260, 1024, 8192), (16, 256)
 SWEEP = [DecodeTiling(64, 4, 3, 512, 2), DecodeTiling(64, 4, 4, 256, 3), DecodeTiling(64, 4, 4, 1024, 3),
          DecodeTiling(128, 4, 2, 512, 1), DecodeTiling(128, 8, 3, 512, 2), DecodeTiling(32, 4, 4, 256, 3),
-         DecodeTiling(32, 2, 6, 2048, 5), DecodeTiling(64, 8, 4, 2048, 3), DecodeTiling(16, 2, 8, 2048, 7)]
+         DecodeTiling(32, 2, 6, 2048, 5), DecodeTiling(64, 8, 4, 2048, 3), DecodeTiling(16, 2, 8, 2048, 7),
+         DecodeTiling(64, 4, 2, 64, 1), DecodeTiling(64, 4, 3, 128, 2), DecodeTiling(32, 4, 3, 64, 2),
+         DecodeTiling(64, 4, 4, 128, 1)]
 
 
 def load_baseline():

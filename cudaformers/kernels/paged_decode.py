@@ -46,6 +46,9 @@ from .qk_norm_rope import norm_rope, rope_layout, rope_rows
 logger = logging.getLogger("cudaformers")
 
 MAX_SPLITS = 64
+# Busy grids (a program per SM or more): split contexts past this many keys into pieces of at least
+# this many tiles, each program keeping BUSY_STAGES - 1 tiles in flight (default_tiling).
+BUSY_SPLIT_ABOVE, BUSY_SPLIT_TILES, BUSY_STAGES = 2048, 3, 4
 # fp32 elements of partial outputs the merging program holds at once (64 registers a thread at 4 warps).
 _MERGE_ELEMENTS = 8192
 
@@ -343,8 +346,8 @@ def default_tiling(num_seqs: int, num_kv_heads: int, head_dim: int, dtype: torch
         tiling = DecodeTiling(block_n=block_n, num_warps=4, num_stages=2, split_above=block_n, split_tiles=1)
     else:  # B=128-256 x 256-800 keys: 8 KB tiles 8-15% faster; B=32: 16 KB tiles faster
         block_n = 4096 // bd if programs >= 4 * _sms(device) else 8192 // bd
-        tiling = DecodeTiling(block_n=block_n, num_warps=4, num_stages=4,
-                              split_above=2048 if busy else 8 * block_n, split_tiles=3)
+        tiling = DecodeTiling(block_n=block_n, num_warps=4, num_stages=BUSY_STAGES,
+                              split_above=BUSY_SPLIT_ABOVE if busy else 8 * block_n, split_tiles=BUSY_SPLIT_TILES)
     logger.debug("paged decode: %s for %d sequences x %d kv heads, head_dim %d, %s", tiling, num_seqs,
                  num_kv_heads, head_dim, dtype)
     return tiling

@@ -41,6 +41,7 @@ logger = logging.getLogger("cudaformers")
 ROWS = (5, 32)
 _MAX_BLOCK_M = 128
 _SMEM_PER_PROGRAM = 100 << 10
+WIDE_PROGRAMS_PER_SM = 1 / 3  # programs per SM that 17-32-row launches aim for (see plan)
 _warned_capture: list[bool] = []  # the capture-without-counters note is logged once per process
 
 
@@ -164,7 +165,7 @@ def plan(m: int, n: int, k: int, dtype: torch.dtype, sms: int, split_ok: bool = 
         block_n = 128
     if interpreting():
         block_n = 16
-    target = sms // 3 if wide else 2 * sms
+    target = max(1, int(sms * WIDE_PROGRAMS_PER_SM)) if wide else 2 * sms
     tiles = cdiv(n, block_n) * m_tiles
     steps = cdiv(k, block_k)
     # Per output feature a split writes block_m fp32 partials against 2k weight bytes read: keep the
