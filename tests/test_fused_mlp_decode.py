@@ -99,3 +99,29 @@ def test_inference_only_and_default_on_cuda():
     assert resolve("GatedMLP", "cpu", "inference", None)[0] == ""
     with pytest.raises(UnsupportedError, match="no backward"):
         resolve("GatedMLP", "cuda", "training", FUSED)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama_bias"])
+def test_skinny_rows_run_gate_up_and_activation_in_one_launch(name, monkeypatch):
+    """At 5-32 rows, with the projections on the skinny GEMM and the act-and-mul kernel, the packed
+    gate/up launch also applies the activation (``skinny_gated``): the same logits bit for bit as
+    the two launches, and no act-and-mul launch."""
+    import cudaformers.kernels.activation as activation
+    import cudaformers.kernels.hub as hub
+    import cudaformers.kernels.skinny_gemm as skinny
+
+    config = KernelConfig({"GatedMLP": "cudaformers:fused_mlp_decode", "Linear": "cudaformers:gemv",
+                           "SiluAndMul": "cudaformers:act_and_mul"})
+    model = AutoModelForCausalLM.from_pretrained(tiny.checkpoint(name), kernel_config=config).eval()
+    ids = torch.randint(3, 211, (1, 8), generator=torch.Generator().manual_seed(2))
+    gated, act_launches = [], []
+    real_gated, real_act = skinny.skinny_gated, activation.act_and_mul_forward
+    monkeypatch.setattr(skinny, "skinny_gated", lambda *a, **k: gated.append(1) or real_gated(*a, **k))
+    monkeypatch.setattr(activation, "act_and_mul_forward", lambda *a, **k: act_launches.append(1) or real_act(*a, **k))
+    with torch.no_grad():
+        got = model(ids).logits
+        assert len(gated) == len(model.model.layers) and not act_launches
+        monkeypatch.setattr(hub, "_gated_skinny", lambda mlp, x: None)  # the two launches
+        want = model(ids).logits
+    assert len(act_launches) == len(model.model.layers)
+    assert torch.equal(got, want)

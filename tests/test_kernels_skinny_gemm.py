@@ -184,9 +184,11 @@ for n, k in json.loads(sys.argv[1]):
             variants[("fp32" if dtype == torch.float32 else "bf16", c.block_m, c.block_n, c.block_k, split,
                       c.num_warps, c.num_stages)] = None
 names = sg._skinny_kernel.arg_names
-for dt, bm, bn, bk, split, warps, stages in variants:
+# The plain launch, and for bf16 the gated one (skinny_gated: SiLU epilogue) on the same plans.
+for (dt, bm, bn, bk, split, warps, stages), act in [(v, a) for v in variants for a in (-1, 0)
+                                                    if a < 0 or v[0] == "bf16"]:
     consts = dict(HAS_BIAS=True, SPLIT_K=split, EVEN=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                  PREC="ieee" if dt == "fp32" else "tf32", UPCAST=False, USE_PDL=True)
+                  PREC="ieee" if dt == "fp32" else "tf32", UPCAST=False, USE_PDL=True, ACT=act)
     ptrs = dict(x_ptr=dt, w_ptr=dt, b_ptr=dt, y_ptr=dt, part_ptr="fp32", count_ptr="i32")
     sig = {a: "constexpr" if a in consts else "*" + ptrs[a] if a in ptrs else "i32" for a in names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names) if a not in consts}
@@ -195,7 +197,7 @@ for dt, bm, bn, bk, split, warps, stages in variants:
     ptx = kernel.asm["ptx"]
     wait = ptx.index("griddepcontrol.wait")
     before = ptx[:wait]
-    print(json.dumps(dict(variant=[dt, bm, bn, bk, split, warps, stages], shared=kernel.metadata.shared,
+    print(json.dumps(dict(variant=[dt, bm, bn, bk, split, warps, stages, act], shared=kernel.metadata.shared,
                           loads_before_wait=before.count("ld.global"), writes_before_wait=before.count("st.global")
                           + before.count("atom."), releases_after_wait="griddepcontrol.launch_dependents" in ptx[wait:])))
 '''
@@ -219,3 +221,39 @@ def test_plans_compile_for_sm90():
     for r in results:
         assert r["shared"] <= 227 * 1024, r  # the most one program may use on sm_90
         assert r["loads_before_wait"] > 0 and r["writes_before_wait"] == 0 and r["releases_after_wait"], r
+
+
+# skinny_gated: the gate/up projection and act_and_mul in one launch, bit for bit the two launches.
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,i,k", [(5, 24, 40), (32, 64, 128), (17, 50, 130), (9, 16, 513)])
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh", "gelu"])
+def test_gated_equals_projection_then_act_and_mul(m, i, k, dtype, act):
+    from cudaformers.kernels.activation import act_and_mul_forward
+    from cudaformers.kernels.skinny_gemm import skinny_gated
+
+    x, w, b = _inputs(m, 2 * i, k, dtype, bias=act == "gelu")
+    gate_up = skinny_linear(x, w, b)
+    assert torch.equal(skinny_gated(x, w, b, act), act_and_mul_forward(gate_up[:, :i], gate_up[:, i:], act))
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"m{c.block_m}n{c.block_n}k{c.block_k}s{c.k_split}")
+def test_gated_split_k_configs(cfg):
+    from cudaformers.kernels.activation import act_and_mul_forward
+    from cudaformers.kernels.skinny_gemm import skinny_gated
+
+    x, w, b = _inputs(37, 2 * 40, 160, torch.bfloat16, bias=True)
+    gate_up = skinny_linear(x, w, b, config=cfg)
+    got = skinny_gated(x.view(37, 1, 160), w, b, "silu", config=cfg)
+    assert got.shape == (37, 1, 40)
+    assert torch.equal(got.view(37, 40), act_and_mul_forward(gate_up[:, :40], gate_up[:, 40:], "silu"))
+    assert not arrival_counters(x.device, 1).any()
+
+
+def test_gated_errors():
+    from cudaformers.kernels.skinny_gemm import skinny_gated
+
+    x, w, _ = _inputs(8, 15, 32, torch.float32, bias=False)
+    with pytest.raises(ValueError, match="even rows"):
+        skinny_gated(x, w)
+    with pytest.raises(UnsupportedError, match="no fused kernel for hidden_act"):
+        skinny_gated(x, w[:14], activation="relu")

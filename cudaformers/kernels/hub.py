@@ -112,7 +112,28 @@ def gated_mlp_down(mlp, gate, up):
     return down(mlp.act_fn(gate, up))  # GatedMLP.forward, past the projections
 
 
+def _gated_skinny(mlp, x):
+    """``act(gate) * up`` from one skinny launch (``skinny_gated``) at 5-32 rows, where the unfused path
+    would run exactly that: the packed gate/up projection on the skinny GEMM, then the act-and-mul
+    kernel. None elsewhere."""
+    from .fused_norm_decode import _packed
+    from .skinny_gemm import skinny_applies, skinny_gated
+
+    packed = _packed(mlp, "packed_gate_up", (mlp.gate_proj, mlp.up_proj))
+    act = mlp.act_fn
+    if packed is None or getattr(packed.__dict__.get("forward"), "__func__", None) is not _linear:
+        return None
+    if getattr(act.__dict__.get("forward"), "__func__", None) is not _act_and_mul or act._forward_hooks:
+        return None
+    if packed.sizes[0] * 2 != packed.weight.shape[0] or not skinny_applies(packed.weight, x):
+        return None
+    return skinny_gated(x, packed.weight, packed.bias, act.name)
+
+
 def _fused_mlp_decode(self, x):
+    h = _gated_skinny(self, x)
+    if h is not None:
+        return self.down_proj(h)
     return gated_mlp_down(self, *self.project_gate_up(x))
 
 

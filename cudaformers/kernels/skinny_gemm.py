@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from ..errors import UnsupportedError
+from .activation import _act_and_grad, _code
 from .arrivals import arrival_counters
 from .gemv import _rows
 from .pdl import pdl_enabled, release_dependents, wait_for_producer
@@ -59,12 +60,26 @@ def _dot(a, b, acc, PREC: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _store_rows(acc, b_ptr, y_ptr, offs_n, offs_m, n_ok, m_ok, stride_ym, HAS_BIAS: tl.constexpr):
-    """acc ``[BLOCK_N, BLOCK_M]`` fp32 (+ bias) -> ``y[m, n]`` in y's dtype."""
+def _store_rows(acc, b_ptr, y_ptr, rows_w, n_ok, offs_m, m_ok, pid_n, n_out, stride_ym, HAS_BIAS: tl.constexpr,
+                ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    """acc ``[BLOCK_N, BLOCK_M]`` fp32 of weight rows ``rows_w`` (+ bias) -> y in y's dtype.
+
+    Plain: ``y[m, rows_w]``. With ACT the first half of acc's rows are gate features, the second
+    half the same features of up: ``y[m, f] = act(gate) * up``, both first rounded to y's dtype as
+    the stored projection output is, then as act_and_mul computes it (fp32, one rounding)."""
     if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-    y = y_ptr + offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
-    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
+        acc += tl.load(b_ptr + rows_w, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    out = acc.to(y_ptr.dtype.element_ty)
+    if ACT >= 0:
+        pairs = tl.permute(tl.reshape(out.to(tl.float32), [2, BLOCK_N // 2, BLOCK_M]), [1, 2, 0])
+        gate, up = tl.split(pairs)  # [BLOCK_N // 2, BLOCK_M] each
+        a, _ = _act_and_grad(gate, ACT)
+        feat = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        y = y_ptr + offs_m.to(tl.int64)[None, :] * stride_ym + feat[:, None]
+        tl.store(y, (a * up).to(y_ptr.dtype.element_ty), mask=(feat < n_out)[:, None] & m_ok[None, :])
+    else:
+        y = y_ptr + offs_m.to(tl.int64)[None, :] * stride_ym + rows_w[:, None]
+        tl.store(y, out, mask=n_ok[:, None] & m_ok[None, :])
 
 
 # M (the rows) varies from call to call; specialised, it would compile a variant for rows divisible by 16
@@ -74,14 +89,25 @@ def _store_rows(acc, b_ptr, y_ptr, offs_n, offs_m, n_ok, m_ok, stride_ym, HAS_BI
 def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, K_SPLIT, NUM_SPLITS, stride_xm,
                    stride_wn, stride_ym, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
-                   UPCAST: tl.constexpr, USE_PDL: tl.constexpr):
+                   UPCAST: tl.constexpr, USE_PDL: tl.constexpr, ACT: tl.constexpr):
+    # ACT >= 0 (skinny_gated): W is [gate; up] (N = 2I rows); a tile holds BLOCK_N / 2 gate rows and
+    # the same up rows, so its epilogue has both halves of its outputs. Each row's products are the
+    # plain launch's (same tiles along K, same splits): only which rows share a program changes.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if ACT >= 0:
+        half = N // 2
+        r = tl.arange(0, BLOCK_N)
+        feat = pid_n * (BLOCK_N // 2) + r % (BLOCK_N // 2)
+        n_ok = feat < half
+        offs_n = tl.where(r < BLOCK_N // 2, feat, feat + half)
+    else:
+        half = N
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
-    n_ok = offs_n < N
     m_ok = offs_m < M
     k_begin = pid_k * K_SPLIT  # splits start on BLOCK_K boundaries, so only K itself needs a mask
     k_end = tl.minimum(k_begin + K_SPLIT, K)
@@ -123,9 +149,11 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, K_S
             for s in range(0, NUM_SPLITS):  # fixed order: deterministic
                 total += tl.load(part + s * M * N, mask=out_ok, other=0.0, cache_modifier=".cg")
             tl.store(tile, 0)  # zero again for the next call (graph replays reuse the counters)
-            _store_rows(total, b_ptr, y_ptr, offs_n, offs_m, n_ok, m_ok, stride_ym, HAS_BIAS)
+            _store_rows(total, b_ptr, y_ptr, offs_n, n_ok, offs_m, m_ok, pid_n, half, stride_ym, HAS_BIAS,
+                        ACT, BLOCK_N, BLOCK_M)
     else:
-        _store_rows(acc, b_ptr, y_ptr, offs_n, offs_m, n_ok, m_ok, stride_ym, HAS_BIAS)
+        _store_rows(acc, b_ptr, y_ptr, offs_n, n_ok, offs_m, m_ok, pid_n, half, stride_ym, HAS_BIAS,
+                    ACT, BLOCK_N, BLOCK_M)
 
 
 @dataclass(frozen=True)
@@ -216,22 +244,40 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return _launch(x2, weight, bias, config).view(*x.shape[:-1], weight.shape[0])
 
 
-def _launch(x2, weight, bias, config) -> torch.Tensor:
+def skinny_gated(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 activation: str = "silu", config: SkinnyConfig | None = None) -> torch.Tensor:
+    """``act_and_mul(gate, up)`` for ``gate, up = skinny_linear(x, weight, bias).chunk(2, -1)``, bit for
+    bit, in one launch: weight ``[2I, K]`` is a packed gate/up projection, the result ``[..., I]``.
+    A decode step's gated MLP then has no act-and-mul launch and no ``[T, 2I]`` intermediate."""
+    _check(x, weight, bias)
+    act = _code(activation)
+    if weight.shape[0] % 2:
+        raise ValueError(f"skinny_gated: weight {tuple(weight.shape)} must stack gate and up ([2I, K], even rows)")
+    x2 = _rows(x)
+    return _launch(x2, weight, bias, config, act).view(*x.shape[:-1], weight.shape[0] // 2)
+
+
+def _launch(x2, weight, bias, config, act: int = -1) -> torch.Tensor:
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
     m, k = x2.shape
     n = weight.shape[0]
-    y = torch.empty(m, n, device=x2.device, dtype=x2.dtype)
+    n_out = n if act < 0 else n // 2
+    y = torch.empty(m, n_out, device=x2.device, dtype=x2.dtype)
     if m == 0 or n == 0:
         return y
     if k == 0:
+        if act >= 0:
+            raise ValueError("skinny_gated needs at least one input feature")
         return y.zero_() if bias is None else y.copy_(bias.expand(m, n))
+    # A gated launch takes the plain launch's plan for all 2I rows, so each row's sums are the same.
     cfg = config or plan(m, n, k, x2.dtype, sm_count(x2.device))
     if cfg.block_k <= 0 or cfg.k_split % cfg.block_k:
         raise ValueError(f"{cfg}: k_split must be a positive multiple of block_k")
 
     def grid_of(c: SkinnyConfig) -> tuple[int, int, int]:  # (feature tiles, K splits, row tiles)
-        return triton.cdiv(n, c.block_n), triton.cdiv(k, c.k_split), triton.cdiv(m, c.block_m)
+        tiles = triton.cdiv(n, c.block_n) if act < 0 else triton.cdiv(n_out, c.block_n // 2)
+        return tiles, triton.cdiv(k, c.k_split), triton.cdiv(m, c.block_m)
 
     grid = grid_of(cfg)
     counters = arrival_counters(x2.device, grid[0] * grid[2]) if grid[1] > 1 else None
@@ -250,12 +296,13 @@ def _launch(x2, weight, bias, config) -> torch.Tensor:
     part = torch.empty(splits, m, n, device=x2.device, dtype=torch.float32) if split_k else y
     use_pdl = pdl_enabled(x2.device)
     extra = {"launch_pdl": True} if use_pdl else {}
+    rows_even = n % cfg.block_n == 0 if act < 0 else n_out % (cfg.block_n // 2) == 0
     _skinny_kernel[grid](
         x2, weight, bias if bias is not None else y, y, part, counters if split_k else y, m, n, k, cfg.k_split,
         splits, x2.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, SPLIT_K=split_k, EVEN=(n % cfg.block_n == 0 and k % cfg.block_k == 0),
+        HAS_BIAS=bias is not None, SPLIT_K=split_k, EVEN=(rows_even and k % cfg.block_k == 0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        PREC="ieee" if x2.dtype == torch.float32 else "tf32", UPCAST=interpreting(), USE_PDL=use_pdl,
+        PREC="ieee" if x2.dtype == torch.float32 else "tf32", UPCAST=interpreting(), USE_PDL=use_pdl, ACT=act,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra)
     return y
 

@@ -130,3 +130,25 @@ def test_first_call_inside_a_capture(caplog, monkeypatch):
     torch.cuda.synchronize()
     assert "without split-K" in caplog.text
     _check(out, x, w, b)
+
+
+@pytest.mark.parametrize("n,k", [(6144, 1024), (24576, 4096), (6146, 1000)])
+@pytest.mark.parametrize("m", [5, 8, 16, 32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gated_equals_projection_then_act_and_mul(n, k, m, dtype):
+    """skinny_gated is bit for bit the packed gate/up launch followed by the act-and-mul kernel, on the
+    tensor cores, eagerly and replayed from a CUDA graph."""
+    from cudaformers.kernels.activation import act_and_mul_forward
+    from cudaformers.kernels.skinny_gemm import skinny_gated
+
+    x, w, b = _inputs(m, n, k, dtype, bias=m == 8)
+    i = n // 2
+    gate_up = skinny_linear(x, w, b)
+    want = act_and_mul_forward(gate_up[:, :i], gate_up[:, i:], "silu")
+    assert torch.equal(skinny_gated(x, w, b, "silu"), want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = skinny_gated(x, w, b, "silu")
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
