@@ -91,6 +91,9 @@ def run_ours(folder, batch, variant, check_eager) -> dict:
             paged_decode.BUSY_SPLIT_ABOVE, paged_decode.BUSY_SPLIT_TILES, paged_decode.BUSY_STAGES = map(
                 int, f[5:].split("."))
     paged_decode.default_tiling.cache_clear()
+    from cudaformers.kernels import hub
+
+    hub.GATED_SKINNY = "nogated" not in flags  # nogated: gate/up, then a separate act-and-mul launch
     # l2o / l2og / l2ogd: ask L2 for the o (+ gate/up, + down) weights during the attention;
     # l2att: launched after qk_norm_rope; l2early: the requests do not wait for the q/k/v GEMV
     for flag, names in (("l2o", ("o",)), ("l2og", ("o", "gate_up")), ("l2ogd", ("o", "gate_up", "down")),
@@ -110,6 +113,7 @@ def run_ours(folder, batch, variant, check_eager) -> dict:
         decode.STEP_INPUTS_KERNEL = True
         fused_norm_decode.FUSE_ATTENTION = True
         skinny_gemm.WIDE_PROGRAMS_PER_SM = 1 / 3
+        hub.GATED_SKINNY = True
         paged_decode.BUSY_SPLIT_ABOVE, paged_decode.BUSY_SPLIT_TILES, paged_decode.BUSY_STAGES = 2048, 3, 4
         paged_decode.default_tiling.cache_clear()
         fused_norm_decode.PREFETCH_NEXT, fused_norm_decode.PREFETCH_AT = (), "rope"

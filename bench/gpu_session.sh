@@ -141,6 +141,8 @@ triton+kernels+split128.1.2,triton+kernels+split256.2.4,triton+kernels --json "$
     w3-skinny) run w3-skinny 200 python3 bench/generate.py --skip-hf --workloads W3 --variants \
                  triton+kernels,triton+kernels+skinny20,triton+kernels+skinny10,triton+kernels+skinny20,triton+kernels \
                  --json "$OUT/results.jsonl" ;;
+    gated-ab) run gated-ab 200 python3 bench/generate.py --skip-hf --workloads W3 --check-eager --variants \
+                triton+kernels,triton+kernels+nogated,triton+kernels,triton+kernels+nogated --json "$OUT/results.jsonl" ;;
     fold-ab) run fold-ab 200 python3 bench/generate.py --skip-hf --workloads W1,W2,W3 \
                --variants triton+kernels,triton+kernels+nofold --json "$OUT/results.jsonl" ;;
     attention-graph) run attention-graph 200 python3 -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider -n 8 \

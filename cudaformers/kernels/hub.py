@@ -112,6 +112,9 @@ def gated_mlp_down(mlp, gate, up):
     return down(mlp.act_fn(gate, up))  # GatedMLP.forward, past the projections
 
 
+GATED_SKINNY = True  # off: the gate/up launch and the act-and-mul launch (A/B runs)
+
+
 def _gated_skinny(mlp, x):
     """``act(gate) * up`` from one skinny launch (``skinny_gated``) at 5-32 rows, where the unfused path
     would run exactly that: the packed gate/up projection on the skinny GEMM, then the act-and-mul
@@ -119,6 +122,8 @@ def _gated_skinny(mlp, x):
     from .fused_norm_decode import _packed
     from .skinny_gemm import skinny_applies, skinny_gated
 
+    if not GATED_SKINNY:
+        return None
     packed = _packed(mlp, "packed_gate_up", (mlp.gate_proj, mlp.up_proj))
     act = mlp.act_fn
     if packed is None or getattr(packed.__dict__.get("forward"), "__func__", None) is not _linear:
