@@ -94,16 +94,6 @@ def run_ours(folder, batch, variant, check_eager) -> dict:
     from cudaformers.kernels import hub
 
     hub.GATED_SKINNY = "nogated" not in flags  # nogated: gate/up, then a separate act-and-mul launch
-    # l2o / l2og / l2ogd: ask L2 for the o (+ gate/up, + down) weights during the attention;
-    # l2att: launched after qk_norm_rope; l2early: the requests do not wait for the q/k/v GEMV
-    for flag, names in (("l2o", ("o",)), ("l2og", ("o", "gate_up")), ("l2ogd", ("o", "gate_up", "down")),
-                        ("l2gd", ("gate_up", "down"))):
-        if flag in flags:
-            fused_norm_decode.PREFETCH_NEXT = names
-    fused_norm_decode.PREFETCH_AT = "attention" if "l2att" in flags else "rope"
-    fused_norm_decode.PREFETCH_WAIT_FIRST = "l2early" not in flags
-    fused_norm_decode.PREFETCH_MAX_ROWS = 64 if "l2b32" in flags else 4
-    fused_norm_decode.PREFETCH_BULK = "l2lines" not in flags
     try:
         model.generate(ids, **kw)
         runs = sorted((timed(lambda: model.generate(ids, **kw)) for _ in range(REPEATS)), key=lambda r: r[1])
@@ -116,9 +106,6 @@ def run_ours(folder, batch, variant, check_eager) -> dict:
         hub.GATED_SKINNY = True
         paged_decode.BUSY_SPLIT_ABOVE, paged_decode.BUSY_SPLIT_TILES, paged_decode.BUSY_STAGES = 2048, 3, 4
         paged_decode.default_tiling.cache_clear()
-        fused_norm_decode.PREFETCH_NEXT, fused_norm_decode.PREFETCH_AT = (), "rope"
-        fused_norm_decode.PREFETCH_WAIT_FIRST, fused_norm_decode.PREFETCH_MAX_ROWS = True, 4
-        fused_norm_decode.PREFETCH_BULK = True
     weight_bytes = sum(p.numel() * p.element_size() for p in set(model.parameters()))
     explain = model.explain()
     del model

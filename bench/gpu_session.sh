@@ -122,17 +122,7 @@ for part in "${parts[@]}"; do
            python3 bench/distributed.py report --json "$OUT/multi.jsonl" ;;
     inputs-ab) run inputs-ab 150 python3 bench/generate.py --skip-hf --workloads W1,W3 --check-eager \
                  --variants triton+kernels,triton+kernels+torchinputs,triton+kernels --json "$OUT/results.jsonl" ;;
-    prefetch-ab) run prefetch-ab 240 python3 bench/generate.py --skip-hf --workloads W1 --variants \
-                   triton+kernels,triton+kernels+l2o,triton+kernels+l2og,triton+kernels+l2ogd,triton+kernels+l2gd,\
-triton+kernels+l2og+l2att,triton+kernels+l2ogd+l2att,triton+kernels+l2og+l2early,triton+kernels \
-                   --json "$OUT/results.jsonl" ;;
-    prefetch-ab-32) run prefetch-ab-32 150 python3 bench/generate.py --skip-hf --workloads W3 --variants \
-                      triton+kernels,triton+kernels+l2og+l2b32,triton+kernels+l2ogd+l2b32+l2att,triton+kernels \
-                      --json "$OUT/results.jsonl" ;;
     l2-upside) run l2-upside 60 python3 bench/l2_upside.py ;;
-    prefetch-ab2) run prefetch-ab2 150 python3 bench/generate.py --skip-hf --workloads W1 --variants \
-                    triton+kernels,triton+kernels+l2o+l2lines,triton+kernels+l2og+l2lines+l2att,triton+kernels+l2o+l2att,\
-triton+kernels --json "$OUT/results.jsonl" ;;
     w3-ab) run w3-ab 240 python3 bench/generate.py --skip-hf --workloads W3 --variants \
              triton+kernels,triton+kernels+skinny50,triton+kernels+skinny100,triton+kernels+split128.1.3,\
 triton+kernels+split128.1.2,triton+kernels+split256.2.4,triton+kernels --json "$OUT/results.jsonl" ;;

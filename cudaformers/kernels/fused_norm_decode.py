@@ -46,14 +46,6 @@ FOLD_MAX_HIDDEN = 2048  # widest input row the norm is folded for (see the modul
 # Decode attention past the folded GEMV as one launch (see the module docstring); off for A/B runs.
 FUSE_ATTENTION = True
 FUSE_ATTENTION_WITH_PDL = False  # measured slower under PDL on an H200 (module docstring)
-# Weights of the layer's later projections that a small decode step asks L2 for while its attention
-# runs ("o", "gate_up", "down"); PREFETCH_AT: launched before qk_norm_rope ("rope") or between it and
-# the attention ("attention"); PREFETCH_WAIT_FIRST: the requests wait for the q/k/v GEMV to end.
-PREFETCH_NEXT: tuple[str, ...] = ()
-PREFETCH_AT = "rope"
-PREFETCH_WAIT_FIRST = True
-PREFETCH_BULK = True
-PREFETCH_MAX_ROWS = 4
 
 
 def _unhooked(module: nn.Module) -> bool:
@@ -154,43 +146,12 @@ def _attention_declines(attn: Attention, q, k, v, cos, sin, batch) -> str | None
     return None
 
 
-def _prefetch_regions(attn: Attention, mlp, rows: torch.Tensor, batch) -> list[torch.Tensor]:
-    """The later weights this step asks L2 for (PREFETCH_NEXT), or none."""
-    if not PREFETCH_NEXT or rows.shape[0] > PREFETCH_MAX_ROWS or batch.max_seqlen_q != 1:
-        return []
-    if not pdl_enabled(rows.device) or type(mlp) is not GatedMLP:
-        return []
-    weights = {"o": attn.o_proj.weight, "down": mlp.down_proj.weight,
-               "gate_up": getattr(getattr(mlp, "packed_gate_up", None), "weight", None)}
-    return [weights[name] for name in PREFETCH_NEXT if weights.get(name) is not None]
-
-
-def _attend(attn: Attention, q, k, v, cos, sin, batch, prefetch=()) -> torch.Tensor:
-    """``attn.attend``, with ``prefetch``'s weights asked of L2 at PREFETCH_AT."""
-    if not prefetch:
-        return attn.attend(q, k, v, cos, sin, batch)
-    from ..attention.kv_cache import KVStore
-    from .l2_prefetch import prefetch_weights
-
-    if PREFETCH_AT == "rope":
-        prefetch_weights(prefetch, PREFETCH_WAIT_FIRST, PREFETCH_BULK)
-        return attn.attend(q, k, v, cos, sin, batch)
-    t, d = q.shape[0], attn.head_dim
-    q, k, v = q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)
-    cache, i = batch.kv_cache, attn.layer_idx
-    store = None if cache is None else KVStore(v, cache.k[i], cache.v[i], batch.slot_mapping)
-    q, k = attn.rotary(q, k, cos, sin, attn.q_norm, attn.k_norm, kv_store=store)
-    prefetch_weights(prefetch, PREFETCH_WAIT_FIRST, PREFETCH_BULK)
-    out = attn.backend(q, k, v, batch, i, attn.scaling, attn.sliding_window, kv_stored=store is not None)
-    return attn.o_proj(out.reshape(t, -1))
-
-
-def _attention_past_projections(attn: Attention, qkv: torch.Tensor, cos, sin, batch, prefetch=()) -> torch.Tensor:
+def _attention_past_projections(attn: Attention, qkv: torch.Tensor, cos, sin, batch) -> torch.Tensor:
     q, k, v = qkv.split(attn.packed_qkv.sizes, dim=-1)
     t, d = qkv.shape[0], attn.head_dim
     heads = q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)
     if not _attention_fuses(attn, *heads, cos, sin, batch):
-        return _attend(attn, q, k, v, cos, sin, batch, prefetch)
+        return attn.attend(q, k, v, cos, sin, batch)
     from .paged_decode_fused import paged_decode_fused
     from .qk_norm_rope import _norm_params
 
@@ -236,19 +197,14 @@ def fused_norm_decode_forward(self, hidden, residual, cos, sin, batch):
     folded = _fold(self.input_layernorm, _qkv_packed(attn), hidden, residual)
     if folded is not None:
         qkv, residual = folded
-        hidden = _attention_past_projections(attn, qkv, cos, sin, batch, _prefetch_regions(attn, mlp, qkv, batch))
+        hidden = _attention_past_projections(attn, qkv, cos, sin, batch)
     else:
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        prefetch = _prefetch_regions(attn, mlp, hidden, batch) if type(attn) is Attention and _unhooked(attn) \
-            and "forward" not in attn.__dict__ else []
-        if prefetch:
-            hidden = _attend(attn, *attn.project_qkv(hidden), cos, sin, batch, prefetch)
-        else:
-            hidden = attn(hidden, cos, sin, batch)
+        hidden = attn(hidden, cos, sin, batch)
 
     # The exact class is DecoderLayer (the hub's predicate), so feed_forward is the MLP itself.
     folded = _fold(self.post_attention_layernorm, _gate_up_packed(mlp), hidden, residual)
