@@ -204,9 +204,7 @@ def fused_norm_decode_forward(self, hidden, residual, cos, sin, batch):
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        packed = _qkv_packed(attn)  # unfolded (more rows, or a wide layer): the decode attention may still fuse
-        hidden = attn(hidden, cos, sin, batch) if packed is None else _attention_past_projections(
-            attn, packed(hidden), cos, sin, batch)
+        hidden = attn(hidden, cos, sin, batch)
 
     # The exact class is DecoderLayer (the hub's predicate), so feed_forward is the MLP itself.
     folded = _fold(self.post_attention_layernorm, _gate_up_packed(mlp), hidden, residual)
