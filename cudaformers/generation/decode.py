@@ -89,7 +89,7 @@ class DecodeRunner:
         batch = AttentionBatch(self.cu_q, cu_k, seqlens, 1, self.capacity, self.cache, slots, self.block_table,
                                has_context=True, rope=rope)
         hidden = self.model.model(self.tokens, self.positions, batch)
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden).to(self.tokens.device)  # see PromptPass._forward
 
     def capture(self, body, warmups: int = 2):
         """A CUDA graph of ``body()`` and its output; eager warm-up runs first (autotuning,

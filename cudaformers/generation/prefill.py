@@ -54,7 +54,9 @@ class PromptPass:
 
     def _forward(self, ids: torch.Tensor, positions, batch, last: torch.Tensor) -> torch.Tensor:
         hidden = self.runner.model.model(ids, positions, batch)
-        return self.runner.model.compute_logits(hidden[last])
+        # Placed over several GPUs (device_map), the last layers and the head may sit on another
+        # device than the inputs; the logits come back to the inputs' device, where the loop runs.
+        return self.runner.model.compute_logits(hidden[last.to(hidden.device)]).to(ids.device)
 
     def __call__(self, rows: list[torch.Tensor]) -> torch.Tensor:
         """Logits ``[B, V]`` after each prompt in ``rows`` (1-D token tensors), written to the cache."""

@@ -136,6 +136,17 @@ def install_device_hooks(model: nn.Module, placement: dict[str, torch.device]) -
         dev = device_of(unit, placement)
 
         def hook(mod, args, kwargs, dev=dev):
+            if dev.type == "cuda":
+                # Triton (and other extensions) launch on the current device, not the tensors': a unit on
+                # another GPU runs with its GPU current, and the caller's comes back after it.
+                mod._caller_device = torch.cuda.current_device()
+                torch.cuda.set_device(dev)
             return tuple(_move(a, dev) for a in args), {k: _move(v, dev) for k, v in kwargs.items()}
 
+        def restore(mod, args, output):
+            caller = mod.__dict__.pop("_caller_device", None)
+            if caller is not None:
+                torch.cuda.set_device(caller)
+
         module.register_forward_pre_hook(hook, with_kwargs=True)
+        module.register_forward_hook(restore)
