@@ -162,3 +162,17 @@ def test_model_output_shows_its_loss_to_fsdp():
     assert any(leaf is out.loss for leaf in leaves) and out.loss.requires_grad
     back = tree_unflatten(leaves, spec)
     assert isinstance(back, CausalLMOutput) and back.loss is out.loss and back.logits is out.logits
+
+
+def test_sharded_outputs_reach_kernels_as_plain_settled_tensors():
+    """Row-wise outputs come back from torch's parallel styles as AsyncCollectiveTensors, whose memory
+    a Triton kernel would read before the all-reduce wrote it: the hook hands on a plain tensor."""
+    import torch
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    from cudaformers.distributed.tp import _settled_output
+
+    y = torch.randn(3, 5)
+    out = _settled_output(None, (), AsyncCollectiveTensor(y))
+    assert type(out) is torch.Tensor and torch.equal(out, y)
+    assert _settled_output(None, (), y) is y  # plain outputs pass untouched

@@ -94,6 +94,18 @@ def _reduce_partial_grads(block: nn.Module, plan: dict[str, str], group) -> int:
     return n
 
 
+def _settled_output(module, args, output):
+    """A sharded projection's output as a plain tensor whose collective has finished.
+
+    torch's parallel styles return the output of their all-reduce as an ``AsyncCollectiveTensor``: a
+    wrapper that waits for the collective only when a torch op touches it. Triton kernels read the
+    memory behind a tensor directly, so they would read it before the all-reduce wrote it (or read
+    no storage at all). A clone is a torch op: it waits, and autograd records it like any other."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    return output.clone() if isinstance(output, AsyncCollectiveTensor) else output
+
+
 def apply_tp(model: nn.Module, mesh, plan: dict[str, str] | None = None) -> nn.Module:
     """Split every decoder block of ``model`` across ``mesh`` (a 1-D DeviceMesh, or a mesh with a
     ``"tp"`` dimension) in place, per ``plan`` (default: the family's plan)."""
@@ -118,6 +130,8 @@ def apply_tp(model: nn.Module, mesh, plan: dict[str, str] | None = None) -> nn.M
             raise UnsupportedError(f"tp plan names {missing} which this model's blocks do not have "
                                    f"(fused projections?); give the model a matching `tp_plan`")
         parallelize_module(block, mesh, styles)
+        for name in plan:
+            block.get_submodule(name).register_forward_hook(_settled_output)
         for name, module in block.named_modules():
             if name.split(".")[0] == "self_attn" and name.count(".") == 0:
                 for attr in _HEAD_ATTRS:
