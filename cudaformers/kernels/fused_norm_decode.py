@@ -28,6 +28,11 @@ at batch 1 on an H200 (bench/generate.py W1): with PDL off, 1,117 -> 1,138 tok/s
 qk_norm_rope, while the fused prologue's loads, norm and rotary all wait for the GEMV and sit on the
 critical path. So it applies where PDL is off (``FUSE_ATTENTION_WITH_PDL`` overrides that), and
 ``FUSE_ATTENTION = False`` turns it off entirely (bench/generate.py's ``+nofuseattn``).
+
+At 5-32 rows (no fold: the skinny GEMM takes the projections) ``QKV_HEADS`` lets the q/k/v skinny
+GEMM do qk_norm_rope's work in its epilogue (``skinny_gemm.skinny_qkv_heads``), one launch fewer per
+layer where that is what the unfused path computes (``_heads_declines``). Off until measured on a GPU
+(bench/gpu_session.sh ``heads-ab-32``).
 """
 
 from __future__ import annotations

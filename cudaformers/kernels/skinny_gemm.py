@@ -13,6 +13,13 @@ all partials in split order. One launch, and bitwise the same result whichever s
 
 ``skinny_linear`` is the entry (forward only; ``F.linear`` is the reference); ``skinny_applies``
 says whether it should take a call, with the row range as a parameter (``ROWS`` by default).
+
+Two epilogues let a decode layer drop a launch after the GEMM, each bit for bit (on the interpreter)
+what the separate kernel computes from the stored output:
+- ``skinny_gated``: a packed gate/up projection whose tiles pair gate rows with the same up rows,
+  and write ``act(gate) * up`` (the act-and-mul launch; +2.0% on W3, bench/RESULTS.md run 17);
+- ``skinny_qkv_heads``: a packed q/k/v projection with one head per tile, whose finishing program
+  reads its head back and runs qk_norm_rope's norm, rotary and cache store on it (not yet measured).
 """
 
 from __future__ import annotations
