@@ -141,6 +141,9 @@ def run_infer_tp(args) -> dict:
             torch.cuda.empty_cache()
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, device_map=device, tp_plan="auto")
     tokens, tok_s = _decode(model, ids.to(model.device))
+    del model  # its decode graphs hold collectives: gone before the process group is torn down
+    if not cpu:
+        torch.cuda.synchronize()
     if dist.is_initialized():
         dist.barrier()
     if rank():

@@ -110,9 +110,11 @@ for part in "${parts[@]}"; do
     generate-overhead) run generate-overhead 90 python3 bench/generate_overhead.py ;;
     gemv-tiles) run gemv-tiles 420 python3 bench/gemv_tiles.py --json "$OUT/results.jsonl" ;;
     multi) n=$(nvidia-smi -L | wc -l)  # every GPU of the machine (bench/distributed.py); on one GPU it checks the scripts
+           # How the GPUs are linked, and which transport NCCL picks (run 17's 2-GPU DDP scaled at 56%)
+           nvidia-smi topo -m > "$OUT/topology.log" 2>&1; cat "$OUT/topology.log"
            run multi-train-single 240 python3 bench/distributed.py train --strategy single --json "$OUT/multi.jsonl"
            for s in ddp fsdp tp; do
-             run "multi-train-$s" 240 torchrun --nproc_per_node="$n" bench/distributed.py train --strategy "$s" \
+             run "multi-train-$s" 240 env NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT torchrun --nproc_per_node="$n" bench/distributed.py train --strategy "$s" \
                --json "$OUT/multi.jsonl"
            done
            run multi-infer-tp 300 torchrun --nproc_per_node="$n" bench/distributed.py infer-tp --json "$OUT/multi.jsonl"
