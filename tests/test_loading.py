@@ -154,3 +154,23 @@ def test_trust_remote_code_is_refused():
 def test_unknown_keyword_is_an_error():
     with pytest.raises(TypeError, match="unknown argument"):
         AutoModelForCausalLM.from_pretrained(tiny.checkpoint("llama"), not_a_real_option=1)
+
+
+def test_units_on_another_gpu_run_with_it_current(monkeypatch):
+    """Triton launches on the current CUDA device, not the tensors': a unit placed on another GPU runs
+    with that GPU current, and the caller's device is current again after it (checked here with the
+    device calls recorded and the moves stubbed, since this machine may have no GPU)."""
+    from torch import nn
+
+    from cudaformers.loading import device_map as dm
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(torch.device(d).index if
+                                                                          not isinstance(d, int) else d))
+    monkeypatch.setattr(dm, "_move", lambda x, device: x)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    monkeypatch.setattr(dm, "placement_units", lambda m: ["0", "1"])
+    dm.install_device_hooks(model, {"0": torch.device("cuda", 0), "1": torch.device("cuda", 1)})
+    model(torch.randn(2, 4))
+    assert calls == [0, 0, 1, 0]  # unit 0: cuda:0 (and back); unit 1: cuda:1, then the caller's cuda:0
