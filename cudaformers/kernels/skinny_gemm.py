@@ -92,7 +92,7 @@ def _store_rows(acc, b_ptr, y_ptr, rows_w, n_ok, offs_m, m_ok, pid_n, n_out, str
 
 @triton.jit
 def _finish_heads(y_ptr, stride_ym, pid_n, offs_m, m_ok, qo_ptr, ko_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, kc_ptr,
-                  vc_ptr, slot_ptr, stride_ct, stride_st, n_q, n_kv, q_eps, k_eps, half, rot,
+                  vc_ptr, slot_ptr, stride_ct, stride_st, n_q, n_kv, q_eps, k_eps, rope_half, rot,
                   BLOCK_N: tl.constexpr, HAS_NORM: tl.constexpr):
     """qk_norm_rope's work for the head this program has just written: tile ``pid_n`` of the packed
     ``[q heads | k heads | v heads]`` output (one head per tile). q is normed and rotated into
@@ -101,17 +101,17 @@ def _finish_heads(y_ptr, stride_ym, pid_n, offs_m, m_ok, qo_ptr, ko_ptr, qw_ptr,
     y0 = y_ptr + pid_n * BLOCK_N
     if pid_n < n_q:
         norm_rope_tile(y0, stride_ym, offs_m, m_ok, qo_ptr + pid_n * BLOCK_N, n_q * BLOCK_N, qw_ptr, cos_ptr,
-                       sin_ptr, stride_ct, stride_st, q_eps, half, rot, qo_ptr, slot_ptr, 0,
+                       sin_ptr, stride_ct, stride_st, q_eps, rope_half, rot, qo_ptr, slot_ptr, 0,
                        BLOCK_N, HAS_NORM, False, True)
     elif pid_n < n_q + n_kv:
         h = pid_n - n_q
         norm_rope_tile(y0, stride_ym, offs_m, m_ok, ko_ptr + h * BLOCK_N, n_kv * BLOCK_N, kw_ptr, cos_ptr,
-                       sin_ptr, stride_ct, stride_st, k_eps, half, rot, kc_ptr + h * BLOCK_N, slot_ptr,
+                       sin_ptr, stride_ct, stride_st, k_eps, rope_half, rot, kc_ptr + h * BLOCK_N, slot_ptr,
                        n_kv * BLOCK_N, BLOCK_N, HAS_NORM, True, True)
     else:
         h = pid_n - n_q - n_kv
         norm_rope_tile(y0, stride_ym, offs_m, m_ok, vc_ptr, 0, kw_ptr, cos_ptr, sin_ptr, stride_ct, stride_st,
-                       k_eps, half, rot, vc_ptr + h * BLOCK_N, slot_ptr, n_kv * BLOCK_N,
+                       k_eps, rope_half, rot, vc_ptr + h * BLOCK_N, slot_ptr, n_kv * BLOCK_N,
                        BLOCK_N, HAS_NORM, True, False)
 
 
@@ -172,6 +172,7 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, K_S
         acc = _dot(w, tl.trans(x), acc, PREC, UPCAST)
     release_dependents(USE_PDL)
 
+    last = True  # this program finishes the tile: always, or with split-K the last split to arrive
     if SPLIT_K:
         # part: [NUM_SPLITS, M, N] fp32. The counter's acq_rel add publishes this partial (the
         # barrier first lets every thread's stores land) and, for the last arrival, makes all the
@@ -182,18 +183,14 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, K_S
         tl.debug_barrier()
         tile = count_ptr + pid_m * tl.num_programs(0) + pid_n
         arrived = tl.atomic_add(tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == NUM_SPLITS - 1:
+        last = arrived == NUM_SPLITS - 1
+        if last:
             total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
             for s in range(0, NUM_SPLITS):  # fixed order: deterministic
                 total += tl.load(part + s * M * N, mask=out_ok, other=0.0, cache_modifier=".cg")
             tl.store(tile, 0)  # zero again for the next call (graph replays reuse the counters)
-            _store_rows(total, b_ptr, y_ptr, offs_n, n_ok, offs_m, m_ok, pid_n, half, stride_ym, HAS_BIAS,
-                        ACT, BLOCK_N, BLOCK_M)
-            if HEADS:
-                _finish_heads(y_ptr, stride_ym, pid_n, offs_m, m_ok, qo_ptr, ko_ptr, qw_ptr, kw_ptr, cos_ptr,
-                              sin_ptr, kc_ptr, vc_ptr, slot_ptr, stride_ct, stride_st, n_q, n_kv, q_eps, k_eps,
-                              rope_half, rot, BLOCK_N, HAS_NORM)
-    else:
+            acc = total
+    if last:
         _store_rows(acc, b_ptr, y_ptr, offs_n, n_ok, offs_m, m_ok, pid_n, half, stride_ym, HAS_BIAS,
                     ACT, BLOCK_N, BLOCK_M)
         if HEADS:
