@@ -318,3 +318,10 @@ def test_qkv_heads_split_k_and_errors():
         skinny_qkv_heads(x, w, b, 2, 1, cos, sin, *norms, cache, cache.clone(), slots, config=SkinnyConfig(16, 32, 32, 64))
     with pytest.raises(ValueError, match="heads of a power-of-two head_dim"):
         skinny_qkv_heads(x, w[:-16], None, 2, 1, cos, sin, *norms, cache, cache.clone(), slots)
+    with pytest.raises(ValueError, match="cos/sin must be"):
+        skinny_qkv_heads(x, w, b, 2, 1, cos[:-1], sin[:-1], *norms, cache, cache.clone(), slots)
+    with pytest.raises(ValueError, match="slots"):
+        skinny_qkv_heads(x, w, b, 2, 1, cos, sin, *norms, cache, cache.clone(), slots[:-1])
+    with pytest.raises(UnsupportedError, match="separately"):
+        skinny_qkv_heads(x.half(), w.half(), b.half(), 2, 1, cos, sin, None, None, 0.0, 0.0, cache.half(),
+                         cache.half(), slots)

@@ -37,7 +37,7 @@ from .activation import _act_and_grad, _code
 from .arrivals import arrival_counters
 from .gemv import _rows
 from .pdl import pdl_enabled, release_dependents, wait_for_producer
-from .qk_norm_rope import norm_rope_tile
+from .qk_norm_rope import norm_rope_tile, output_dtypes
 
 logger = logging.getLogger("cudaformers")
 
@@ -220,7 +220,6 @@ def plan(m: int, n: int, k: int, dtype: torch.dtype, sms: int, split_ok: bool = 
     """The launch shape for ``[m, k] @ [n, k].T``: enough programs to cover the SMs twice, first
     through narrower output tiles, then by splitting K (bounded so the fp32 partials stay a small
     fraction of the weight bytes). ``block_n`` fixes the output tile (a head, for skinny_qkv_heads)."""
-    fixed_n = block_n
     cdiv = triton.cdiv
     block_m = min(max(16, triton.next_power_of_2(m)), _MAX_BLOCK_M)
     elem = 4 if dtype == torch.float32 else 2
@@ -233,12 +232,12 @@ def plan(m: int, n: int, k: int, dtype: torch.dtype, sms: int, split_ok: bool = 
     # --sweep --m 32, RESULTS.md run 10) found 64-feature tiles and a third to a half as many programs as
     # SMs fastest on every qwen3-0.6b projection (fewer, longer programs: less ramp-up and tail).
     wide = block_m == 32
-    block_n = 64 if wide or cdiv(n, 64) * m_tiles >= sms else 32
-    if wide and cdiv(n, 64) * m_tiles >= 4 * sms:  # the vocabulary projection: 78.4 vs 83.3 us at n64
-        block_n = 128
-    if interpreting():
-        block_n = 16
-    block_n = fixed_n or block_n
+    if block_n is None:
+        block_n = 64 if wide or cdiv(n, 64) * m_tiles >= sms else 32
+        if wide and cdiv(n, 64) * m_tiles >= 4 * sms:  # the vocabulary projection: 78.4 vs 83.3 us at n64
+            block_n = 128
+        if interpreting():
+            block_n = 16
     target = max(1, int(sms * WIDE_PROGRAMS_PER_SM)) if wide else 2 * sms
     tiles = cdiv(n, block_n) * m_tiles
     steps = cdiv(k, block_k)
@@ -305,7 +304,7 @@ def skinny_gated(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 def skinny_qkv_heads(x: torch.Tensor, weight: torch.Tensor, bias, n_q: int, n_kv: int, cos, sin, q_weight, k_weight,
                      q_eps: float, k_eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                     config: SkinnyConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     config: SkinnyConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The packed q/k/v projection (``weight [(n_q + 2 n_kv) D, K]``) and qk_norm_rope's work with its
     KV-cache store, in one launch: each tile is one head, and the program that finishes it norms and
     rotates it (q, k) and writes k and v to their cache slots. Returns ``(q, k, v)`` ``[T, H, D]``: q and k
@@ -316,6 +315,16 @@ def skinny_qkv_heads(x: torch.Tensor, weight: torch.Tensor, bias, n_q: int, n_kv
     if weight.shape[0] != (n_q + 2 * n_kv) * d or d & (d - 1):
         raise ValueError(f"skinny_qkv_heads: weight {tuple(weight.shape)} is not {n_q} + 2 x {n_kv} heads of a "
                          f"power-of-two head_dim {d}")
+    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[0] != t or cos.shape[1] > d or cos.shape[1] % 2:
+        raise ValueError(f"skinny_qkv_heads: cos/sin must be [T={t}, R] with an even R <= head_dim {d}, got "
+                         f"{tuple(cos.shape)} and {tuple(sin.shape)}")
+    if slots.shape != (t,) or k_cache.shape != v_cache.shape or k_cache.shape[-2] != n_kv:
+        raise ValueError(f"skinny_qkv_heads: slots {tuple(slots.shape)} must be [T={t}] and both caches "
+                         f"[blocks, page, {n_kv}, {d}], got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if set(output_dtypes(x, x, cos, q_weight)) != {x.dtype}:
+        raise UnsupportedError(f"skinny_qkv_heads returns q and k in x's dtype ({x.dtype}), but qk_norm_rope would "
+                               f"round them to {output_dtypes(x, x, cos, q_weight)[0]} for cos {cos.dtype}: run "
+                               "the projection and qk_norm_rope separately")
     q_out = torch.empty(t, n_q, d, device=x.device, dtype=x.dtype)
     k_out = torch.empty(t, n_kv, d, device=x.device, dtype=x.dtype)
     has_norm = q_weight is not None
