@@ -239,7 +239,8 @@ LAYER_TYPES = {t.name: t for t in [
               default_modes=("inference",)),
     LayerType("GatedMLP", _is_gated_mlp,
               {"cudaformers:fused_mlp_decode": _fused_mlp_decode, "cudaformers:gated_mlp_recompute": _gated_mlp_recompute},
-              "inference: act(gate) * up fused into the down projection's GEMV at 1-4 rows; training: "
+              "inference: act(gate) * up fused into the down projection's GEMV at 1-4 rows, into the "
+              "gate/up skinny GEMM's epilogue at 5-32 rows; training: "
               "act(gate) * up recomputed in the backward instead of saved",
               forward_only=("cudaformers:fused_mlp_decode",),
               mode_defaults={"inference": "cudaformers:fused_mlp_decode", "training": "cudaformers:gated_mlp_recompute"}),
