@@ -206,14 +206,26 @@ def kernel_table(engine, inputs, params, title):
         if batch_kind != title:
             engine.step()
             continue
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(3):
                 engine.step()
             torch.cuda.synchronize()
-        rows = sorted(((e.key, e.device_time_total / 3, e.count // 3) for e in prof.key_averages()
+        wall_ms = (time.perf_counter() - start) / 3 * 1e3
+        averages = prof.key_averages()
+        kernels = [e for e in averages if e.device_time_total > 0 and e.self_device_time_total > 0]
+        busy_ms = sum(e.self_device_time_total for e in kernels) / 3 / 1e3
+        rows = sorted(((e.key, e.device_time_total / 3, e.count // 3) for e in averages
                        if e.device_time_total > 0), key=lambda x: -x[1])[:12]
-        print(f"\ntop kernels, {title} steps (GPU us per step, calls per step):")
+        print(f"\ntop kernels, {title} steps (GPU us per step, calls per step); kernels busy {busy_ms:.2f} ms "
+              f"of {wall_ms:.2f} ms wall per step (under the profiler):")
         for name, us, n in rows:
+            print(f"  {us:>9.0f} {n:>5}  {name[:90]}")
+        # Whether the host or the GPU sets the step: the host ops that spent the most time themselves.
+        host = sorted(((e.key, e.self_cpu_time_total / 3, e.count // 3) for e in averages
+                       if e.self_cpu_time_total > 0), key=lambda x: -x[1])[:15]
+        print(f"\ntop host ops, {title} steps (self CPU us per step, calls per step):")
+        for name, us, n in host:
             print(f"  {us:>9.0f} {n:>5}  {name[:90]}")
         break
     while engine.has_unfinished_requests():
