@@ -81,7 +81,6 @@ def run_ours(folder, batch, variant, check_eager) -> dict:
     decode.STEP_INPUTS_KERNEL = "torchinputs" not in flags
     fused_norm_decode.FUSE_ATTENTION = "nofuseattn" not in flags
     fused_norm_decode.FUSE_ATTENTION_WITH_PDL = "fuseattnpdl" in flags
-    fused_norm_decode.QKV_HEADS = "qkvheads" in flags  # qk_norm_rope's work in the q/k/v skinny epilogue
     # skinnyN: 17-32-row skinny launches aim for N/100 programs per SM; splitA.T.S: busy paged-decode
     # grids split past A keys into pieces of >= T tiles with S stages
     from cudaformers.kernels import paged_decode, skinny_gemm
@@ -105,7 +104,6 @@ def run_ours(folder, batch, variant, check_eager) -> dict:
         decode.STEP_INPUTS_KERNEL = True
         fused_norm_decode.FUSE_ATTENTION = True
         fused_norm_decode.FUSE_ATTENTION_WITH_PDL = False
-        fused_norm_decode.QKV_HEADS = False
         skinny_gemm.WIDE_PROGRAMS_PER_SM = 1 / 3
         hub.GATED_SKINNY = True
         paged_decode.BUSY_SPLIT_ABOVE, paged_decode.BUSY_SPLIT_TILES, paged_decode.BUSY_STAGES = 2048, 3, 4

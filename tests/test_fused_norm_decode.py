@@ -172,32 +172,3 @@ def test_default_on_cuda_in_inference_only(capsys):
         resolve("DecoderLayer", "cuda", "training", KernelConfig({"DecoderLayer": "cudaformers:fused_norm_decode"}))
     assert main(["kernels", str(tiny.checkpoint("qwen3")), "--device", "cuda"]) == 0
     assert "cudaformers:fused_norm_decode (default on cuda)" in capsys.readouterr().out
-
-
-@pytest.mark.parametrize("name", ["qwen3", "llama_bias"])
-def test_qkv_heads_in_the_skinny_epilogue_generate_the_same_tokens(name, monkeypatch):
-    """QKV_HEADS: at 5-32 rows the q/k/v skinny GEMM norms, rotates and caches each head itself
-    (skinny_qkv_heads) instead of a qk_norm_rope launch: the same greedy tokens, every decode layer."""
-    import cudaformers.kernels.skinny_gemm as skinny
-
-    _, fused = _models(name)
-    ids = torch.randint(3, 211, (8, 5), generator=torch.Generator().manual_seed(3))
-    want = fused.generate(ids, **GREEDY)
-    calls = []
-    real = skinny.skinny_qkv_heads
-    monkeypatch.setattr(skinny, "skinny_qkv_heads", lambda x, *a, **k: calls.append(x.shape[0]) or real(x, *a, **k))
-    monkeypatch.setattr(fused_module, "QKV_HEADS", True)
-    fused.__dict__.pop("_decode_runners", None)
-    got = fused.generate(ids, **GREEDY)
-    assert torch.equal(got, want)
-    assert calls == [8] * ((GREEDY["max_new_tokens"] - 1) * len(fused.model.layers))
-
-
-def test_qkv_heads_say_why_they_decline():
-    from cudaformers.attention.metadata import AttentionBatch
-
-    _, fused = _models("qwen3")
-    attn = fused.model.layers[0].self_attn
-    hidden, cos = torch.randn(8, fused.config.hidden_size), torch.randn(8, attn.head_dim)
-    batch = AttentionBatch.__new__(AttentionBatch)
-    assert fused_module._heads_declines(attn, hidden, cos, cos, batch, None) == "QKV_HEADS is off"

@@ -184,29 +184,20 @@ for n, k in json.loads(sys.argv[1]):
             variants[("fp32" if dtype == torch.float32 else "bf16", c.block_m, c.block_n, c.block_k, split,
                       c.num_warps, c.num_stages)] = None
 names = sg._skinny_kernel.arg_names
-# The plain launch, and for bf16 the gated one (skinny_gated: SiLU epilogue) on the same plans and
-# the q/k/v one with a head per tile (skinny_qkv_heads: qk_norm_rope's epilogue) on its own plans.
-jobs = [(v, a, False) for v in variants for a in (-1, 0) if a < 0 or v[0] == "bf16"]
-for m in (5, 8, 16, 32):
-    c = sg.plan(m, 4096, 1024, torch.bfloat16, 132, block_n=128)
-    jobs.append((("bf16", c.block_m, c.block_n, c.block_k, triton.cdiv(1024, c.k_split) > 1, c.num_warps,
-                  c.num_stages), -1, True))
-for (dt, bm, bn, bk, split, warps, stages), act, heads in jobs:
+# The plain launch, and for bf16 the gated one (skinny_gated: SiLU epilogue) on the same plans.
+for (dt, bm, bn, bk, split, warps, stages), act in [(v, a) for v in variants for a in (-1, 0)
+                                                    if a < 0 or v[0] == "bf16"]:
     consts = dict(HAS_BIAS=True, SPLIT_K=split, EVEN=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                  PREC="ieee" if dt == "fp32" else "tf32", UPCAST=False, USE_PDL=True, ACT=act, HEADS=heads,
-                  HAS_NORM=heads)
-    ptrs = dict(x_ptr=dt, w_ptr=dt, b_ptr=dt, y_ptr=dt, part_ptr="fp32", count_ptr="i32", qo_ptr=dt, ko_ptr=dt,
-                qw_ptr=dt, kw_ptr=dt, cos_ptr=dt, sin_ptr=dt, kc_ptr=dt, vc_ptr=dt, slot_ptr="i64")
-    floats = ("q_eps", "k_eps")
-    sig = {a: "constexpr" if a in consts else "*" + ptrs[a] if a in ptrs else "fp32" if a in floats else "i32"
-           for a in names}
+                  PREC="ieee" if dt == "fp32" else "tf32", UPCAST=False, USE_PDL=True, ACT=act)
+    ptrs = dict(x_ptr=dt, w_ptr=dt, b_ptr=dt, y_ptr=dt, part_ptr="fp32", count_ptr="i32")
+    sig = {a: "constexpr" if a in consts else "*" + ptrs[a] if a in ptrs else "i32" for a in names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names) if a not in consts}
     kernel = triton.compile(ASTSource(sg._skinny_kernel, sig, consts, aligned), target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=warps, num_stages=stages))
     ptx = kernel.asm["ptx"]
     wait = ptx.index("griddepcontrol.wait")
     before = ptx[:wait]
-    print(json.dumps(dict(variant=[dt, bm, bn, bk, split, warps, stages, act, heads], shared=kernel.metadata.shared,
+    print(json.dumps(dict(variant=[dt, bm, bn, bk, split, warps, stages, act], shared=kernel.metadata.shared,
                           loads_before_wait=before.count("ld.global"), writes_before_wait=before.count("st.global")
                           + before.count("atom."), releases_after_wait="griddepcontrol.launch_dependents" in ptx[wait:])))
 '''
@@ -266,62 +257,3 @@ def test_gated_errors():
         skinny_gated(x, w)
     with pytest.raises(UnsupportedError, match="no fused kernel for hidden_act"):
         skinny_gated(x, w[:14], activation="relu")
-
-
-def _heads_case(t, hq, hkv, d, k, rot, norm, bias, dtype, seed=0):
-    g = torch.Generator().manual_seed(seed + t + d + k)
-    n = (hq + 2 * hkv) * d
-    x = torch.randn(t, k, generator=g).to(DEVICE, dtype)
-    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(DEVICE, dtype)
-    b = torch.randn(n, generator=g).to(DEVICE, dtype) if bias else None
-    angle = (torch.arange(t)[:, None] * 0.37 * torch.arange(rot // 2)[None]).repeat(1, 2).float()
-    cos, sin = angle.cos().to(DEVICE, dtype), angle.sin().to(DEVICE, dtype)
-    norms = ((1 + 0.1 * torch.randn(d, generator=g)).to(DEVICE, dtype), (1 + 0.1 * torch.randn(d, generator=g)).to(
-        DEVICE, dtype), 1e-6, 1e-5) if norm else (None, None, 0.0, 0.0)
-    slots = torch.randperm(10 * 4, generator=g)[:t].to(DEVICE)
-    slots[1] = -1  # padding: nothing stored
-    cache = torch.zeros(10, 4, hkv, d, device=DEVICE, dtype=dtype)
-    return x, w, b, cos, sin, norms, slots, cache
-
-
-# skinny_qkv_heads: the q/k/v projection with qk_norm_rope's work (and its cache store) in its epilogue.
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("t,hq,hkv,d,k,rot,norm,bias", [(8, 4, 2, 16, 40, 16, True, False),
-                                                       (5, 2, 1, 32, 64, 16, False, True),  # partial rotary
-                                                       (17, 6, 2, 16, 130, 16, True, True)])
-def test_qkv_heads_equal_projection_then_qk_norm_rope(t, hq, hkv, d, k, rot, norm, bias, dtype):
-    from cudaformers.attention.kv_cache import KVStore
-    from cudaformers.kernels.qk_norm_rope import qk_norm_rope_forward
-    from cudaformers.kernels.skinny_gemm import skinny_qkv_heads
-
-    x, w, b, cos, sin, norms, slots, cache = _heads_case(t, hq, hkv, d, k, rot, norm, bias, dtype)
-    q, kk, v = skinny_linear(x, w, b).split([hq * d, hkv * d, hkv * d], -1)
-    kc, vc = cache.clone(), cache.clone()
-    want = qk_norm_rope_forward(q.view(t, hq, d), kk.view(t, hkv, d), cos, sin,
-                                *(norms if norm else ()), kv_store=KVStore(v.view(t, hkv, d), kc, vc, slots))
-    kc2, vc2 = cache.clone(), cache.clone()
-    got_q, got_k, got_v = skinny_qkv_heads(x, w, b, hq, hkv, cos, sin, *norms, kc2, vc2, slots)
-    assert torch.equal(got_q, want[0]) and torch.equal(got_k, want[1]) and torch.equal(got_v, v.view(t, hkv, d))
-    assert torch.equal(kc2, kc) and torch.equal(vc2, vc)
-
-
-def test_qkv_heads_split_k_and_errors():
-    from cudaformers.kernels.skinny_gemm import skinny_qkv_heads
-
-    x, w, b, cos, sin, norms, slots, cache = _heads_case(9, 2, 1, 16, 150, 16, True, True, torch.float32)
-    split = SkinnyConfig(16, 16, 32, 64)  # three K splits
-    q1 = skinny_qkv_heads(x, w, b, 2, 1, cos, sin, *norms, cache.clone(), cache.clone(), slots)[0]
-    q2 = skinny_qkv_heads(x, w, b, 2, 1, cos, sin, *norms, cache.clone(), cache.clone(), slots, config=split)[0]
-    torch.testing.assert_close(q1, q2, rtol=1e-5, atol=1e-5)
-    assert not arrival_counters(x.device, 1).any()
-    with pytest.raises(ValueError, match="one head per tile"):
-        skinny_qkv_heads(x, w, b, 2, 1, cos, sin, *norms, cache, cache.clone(), slots, config=SkinnyConfig(16, 32, 32, 64))
-    with pytest.raises(ValueError, match="heads of a power-of-two head_dim"):
-        skinny_qkv_heads(x, w[:-16], None, 2, 1, cos, sin, *norms, cache, cache.clone(), slots)
-    with pytest.raises(ValueError, match="cos/sin must be"):
-        skinny_qkv_heads(x, w, b, 2, 1, cos[:-1], sin[:-1], *norms, cache, cache.clone(), slots)
-    with pytest.raises(ValueError, match="slots"):
-        skinny_qkv_heads(x, w, b, 2, 1, cos, sin, *norms, cache, cache.clone(), slots[:-1])
-    with pytest.raises(UnsupportedError, match="separately"):
-        skinny_qkv_heads(x.half(), w.half(), b.half(), 2, 1, cos, sin, None, None, 0.0, 0.0, cache.half(),
-                         cache.half(), slots)

@@ -29,10 +29,9 @@ qk_norm_rope, while the fused prologue's loads, norm and rotary all wait for the
 critical path. So it applies where PDL is off (``FUSE_ATTENTION_WITH_PDL`` overrides that), and
 ``FUSE_ATTENTION = False`` turns it off entirely (bench/generate.py's ``+nofuseattn``).
 
-At 5-32 rows (no fold: the skinny GEMM takes the projections) ``QKV_HEADS`` lets the q/k/v skinny
-GEMM do qk_norm_rope's work in its epilogue (``skinny_gemm.skinny_qkv_heads``), one launch fewer per
-layer where that is what the unfused path computes (``_heads_declines``). Off until measured on a GPU
-(bench/gpu_session.sh ``heads-ab-32``).
+At 5-32 rows the q/k/v skinny GEMM finishing each head itself (qk_norm_rope's norm, rotary and cache
+store in its epilogue, one head per tile) was built and measured on an H200 at W3: 23,134 against
+24,671 tok/s, because one-head tiles cost the projection more than the launch saved; removed.
 """
 
 from __future__ import annotations
@@ -51,9 +50,6 @@ FOLD_MAX_HIDDEN = 2048  # widest input row the norm is folded for (see the modul
 # Decode attention past the folded GEMV as one launch (see the module docstring); off for A/B runs.
 FUSE_ATTENTION = True
 FUSE_ATTENTION_WITH_PDL = False  # measured slower under PDL on an H200 (module docstring)
-# 5-32-row decode steps: the q/k/v skinny GEMM finishes each head itself (qk_norm_rope's norm, rotary
-# and cache store in its epilogue, skinny_gemm.skinny_qkv_heads). Opt-in until measured on a GPU.
-QKV_HEADS = False
 
 
 def _unhooked(module: nn.Module) -> bool:
@@ -173,68 +169,6 @@ def _attention_past_projections(attn: Attention, qkv: torch.Tensor, cos, sin, ba
     return attn.o_proj(out.reshape(t, -1))  # Attention.attend, past the attention
 
 
-def _heads_declines(attn: Attention, hidden, cos, sin, batch, packed) -> str | None:
-    """Why ``skinny_qkv_heads`` would not compute what ``attn(hidden, ...)`` runs, or None where it does:
-    the packed q/k/v projection on the skinny GEMM, then the hub's qk_norm_rope with its fused cache
-    store, in a pure decode step."""
-    from ..layers.attention import ApplyRotary
-    from .hub import _linear, _qk_norm_rope
-    from .qk_norm_rope import _fusable, output_dtypes
-    from .skinny_gemm import skinny_applies
-
-    cache, rotary, d = batch.kv_cache, attn.rotary, attn.head_dim
-    if not QKV_HEADS:
-        return "QKV_HEADS is off"
-    if packed is None or getattr(packed.__dict__.get("forward"), "__func__", None) is not _linear:
-        return "the q/k/v projection is not the packed one on the hub's Linear kernel"
-    if not skinny_applies(packed.weight, hidden):
-        return "the skinny GEMM does not take these rows"
-    if cache is None or not batch.has_context or batch.max_seqlen_q != 1:
-        return "not a pure decode step with a KV cache"
-    if type(rotary) is not ApplyRotary or not _unhooked(rotary) or getattr(
-            rotary.__dict__.get("forward"), "__func__", None) is not _qk_norm_rope:
-        return "the rotary module does not run the hub's qk_norm_rope kernel alone"
-    norms = (attn.q_norm, attn.k_norm)
-    if any(n is not None for n in norms) and not all(n is not None and _plain_norm(n) for n in norms):
-        return "the q/k norms are not both plain RMSNorms"
-    hq, hkv = packed.sizes[0] // d, packed.sizes[1] // d
-    if d & (d - 1) or packed.sizes != [hq * d, hkv * d, hkv * d]:
-        return f"q/k/v sizes {packed.sizes} are not whole heads of a power-of-two head_dim {d}"
-    t = hidden.shape[0]
-    if cos.dim() != 2 or cos.shape != sin.shape or cos.shape[0] != t or cos.shape[1] > d or cos.shape[1] % 2:
-        return f"cos/sin {tuple(cos.shape)} are not one even row per query"
-    if batch.slot_mapping is None or batch.slot_mapping.shape != (t,):
-        return "no one cache slot per query"
-    like = hidden.new_empty(0)
-    if set(output_dtypes(like, like, cos, None if attn.q_norm is None else attn.q_norm.weight)) != {hidden.dtype}:
-        return "qk_norm_rope would round q or k to another dtype than the projection's"
-    i = attn.layer_idx
-    v_like = hidden.new_empty(t, hkv, d)
-    if not _fusable((v_like, cache.k[i], cache.v[i], batch.slot_mapping), hidden.dtype, (t, hkv, d), hidden.device):
-        return "qk_norm_rope would not fuse this cache store"
-    return None
-
-
-def _attention_with_heads(attn: Attention, hidden, cos, sin, batch) -> torch.Tensor:
-    """``attn(hidden, cos, sin, batch)``, with the q/k/v skinny GEMM doing qk_norm_rope's work where
-    ``_heads_declines`` allows."""
-    packed = _qkv_packed(attn) if QKV_HEADS else None
-    if _heads_declines(attn, hidden, cos, sin, batch, packed) is not None:
-        return attn(hidden, cos, sin, batch)
-    from .qk_norm_rope import _norm_params
-    from .skinny_gemm import skinny_qkv_heads
-
-    i, d, cache = attn.layer_idx, attn.head_dim, batch.kv_cache
-    norms = (None, None, 0.0, 0.0)
-    if attn.q_norm is not None:
-        (qw, q_eps), (kw, k_eps) = _norm_params(attn.q_norm, "q_norm"), _norm_params(attn.k_norm, "k_norm")
-        norms = (qw, kw, q_eps, k_eps)
-    q, k, v = skinny_qkv_heads(hidden, packed.weight, packed.bias, packed.sizes[0] // d, packed.sizes[1] // d,
-                               cos, sin, *norms, cache.k[i], cache.v[i], batch.slot_mapping)
-    out = attn.backend(q, k, v, batch, i, attn.scaling, attn.sliding_window, kv_stored=True)
-    return attn.o_proj(out.reshape(hidden.shape[0], -1))  # Attention.attend, past the attention
-
-
 def _mlp_past_projections(mlp: GatedMLP, gate_up: torch.Tensor) -> torch.Tensor:
     from .hub import _fused_mlp_decode, gated_mlp_down
 
@@ -274,7 +208,7 @@ def fused_norm_decode_forward(self, hidden, residual, cos, sin, batch):
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = _attention_with_heads(attn, hidden, cos, sin, batch)
+        hidden = attn(hidden, cos, sin, batch)
 
     # The exact class is DecoderLayer (the hub's predicate), so feed_forward is the MLP itself.
     folded = _fold(self.post_attention_layernorm, _gate_up_packed(mlp), hidden, residual)

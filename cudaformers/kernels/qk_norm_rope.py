@@ -66,39 +66,6 @@ def norm_rope(x, xp, w, w_partner, c, s, eps, HEAD_DIM: tl.constexpr, HAS_NORM: 
 
 
 @triton.jit
-def norm_rope_tile(y_row0, stride_y, offs_m, m_ok, out_ptr, stride_o, w_ptr, cos_ptr, sin_ptr, stride_ct, stride_st,
-                   eps, half, rot, cache_ptr, slot_ptr, stride_slot,
-                   HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr, STORE: tl.constexpr, ROTATE: tl.constexpr):
-    """One head of the tokens ``offs_m``, read from a projection output (``y_row0``: its first column,
-    rows ``stride_y`` apart) and written to ``out`` (and with STORE to the cache slots), computed as
-    this file's kernel computes a head: normed and rotated with ROTATE (q, k), copied otherwise (v).
-    The skinny GEMM runs it on the head it has just written (``skinny_qkv_heads``)."""
-    cols = tl.arange(0, HEAD_DIM)[None, :]
-    rows = offs_m.to(tl.int64)[:, None]
-    mask = m_ok[:, None]
-    src = y_row0 + rows * stride_y
-    x = tl.load(src + cols, mask=mask, other=0.0)
-    if ROTATE:
-        partner, sign, rotated = rope_layout(cols, half, rot)
-        xp = tl.load(src + partner, mask=mask, other=0.0).to(tl.float32)
-        c = tl.load(cos_ptr + rows * stride_ct + cols, mask=mask & rotated, other=1.0).to(tl.float32)
-        s = sign * tl.load(sin_ptr + rows * stride_st + cols, mask=mask & rotated, other=0.0).to(tl.float32)
-        if HAS_NORM:
-            w = tl.load(w_ptr + cols).to(tl.float32)
-            w_partner = tl.load(w_ptr + partner).to(tl.float32)
-        else:  # never read: norm_rope skips the norm
-            w = c
-            w_partner = c
-        y = norm_rope(x.to(tl.float32), xp, w, w_partner, c, s, eps, HEAD_DIM, HAS_NORM).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + rows * stride_o + cols, y, mask=mask)
-    else:
-        y = x
-    if STORE:  # the output's rounding first, then the cache's cast, as the kernel's fused store; padding skipped
-        slot = tl.load(slot_ptr + offs_m, mask=m_ok, other=-1).to(tl.int64)[:, None]
-        tl.store(cache_ptr + slot * stride_slot + cols, y.to(cache_ptr.dtype.element_ty), mask=mask & (slot >= 0))
-
-
-@triton.jit
 def _norm_rope_heads(x_ptr, o_ptr, w_ptr, cos_row, sin_row, stride_t, stride_h, t, n_heads, eps, half, rot,
                      cache_ptr, slot_ptr,
                      HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,

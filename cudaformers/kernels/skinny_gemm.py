@@ -14,12 +14,10 @@ all partials in split order. One launch, and bitwise the same result whichever s
 ``skinny_linear`` is the entry (forward only; ``F.linear`` is the reference); ``skinny_applies``
 says whether it should take a call, with the row range as a parameter (``ROWS`` by default).
 
-Two epilogues let a decode layer drop a launch after the GEMM, each bit for bit (on the interpreter)
-what the separate kernel computes from the stored output:
-- ``skinny_gated``: a packed gate/up projection whose tiles pair gate rows with the same up rows,
-  and write ``act(gate) * up`` (the act-and-mul launch; +2.0% on W3, bench/RESULTS.md run 17);
-- ``skinny_qkv_heads``: a packed q/k/v projection with one head per tile, whose finishing program
-  reads its head back and runs qk_norm_rope's norm, rotary and cache store on it (not yet measured).
+An epilogue lets a decode layer drop a launch after the GEMM, bit for bit (on the interpreter) what
+the separate kernel computes from the stored output: ``skinny_gated``, a packed gate/up projection
+whose tiles pair gate rows with the same up rows, and write ``act(gate) * up`` (the act-and-mul
+launch; +2.0% on W3, bench/RESULTS.md run 17).
 """
 
 from __future__ import annotations
@@ -37,7 +35,6 @@ from .activation import _act_and_grad, _code
 from .arrivals import arrival_counters
 from .gemv import _rows
 from .pdl import pdl_enabled, release_dependents, wait_for_producer
-from .qk_norm_rope import norm_rope_tile, output_dtypes
 
 logger = logging.getLogger("cudaformers")
 
@@ -90,44 +87,14 @@ def _store_rows(acc, b_ptr, y_ptr, rows_w, n_ok, offs_m, m_ok, pid_n, n_out, str
         tl.store(y, out, mask=n_ok[:, None] & m_ok[None, :])
 
 
-@triton.jit
-def _finish_heads(y_ptr, stride_ym, pid_n, offs_m, m_ok, qo_ptr, ko_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, kc_ptr,
-                  vc_ptr, slot_ptr, stride_ct, stride_st, n_q, n_kv, q_eps, k_eps, rope_half, rot,
-                  BLOCK_N: tl.constexpr, HAS_NORM: tl.constexpr):
-    """qk_norm_rope's work for the head this program has just written: tile ``pid_n`` of the packed
-    ``[q heads | k heads | v heads]`` output (one head per tile). q is normed and rotated into
-    ``qo``; k into ``ko`` and its cache slots; v copied into its cache slots."""
-    tl.debug_barrier()  # every thread's stores of the tile land before any thread reads them back
-    y0 = y_ptr + pid_n * BLOCK_N
-    if pid_n < n_q:
-        norm_rope_tile(y0, stride_ym, offs_m, m_ok, qo_ptr + pid_n * BLOCK_N, n_q * BLOCK_N, qw_ptr, cos_ptr,
-                       sin_ptr, stride_ct, stride_st, q_eps, rope_half, rot, qo_ptr, slot_ptr, 0,
-                       BLOCK_N, HAS_NORM, False, True)
-    elif pid_n < n_q + n_kv:
-        h = pid_n - n_q
-        norm_rope_tile(y0, stride_ym, offs_m, m_ok, ko_ptr + h * BLOCK_N, n_kv * BLOCK_N, kw_ptr, cos_ptr,
-                       sin_ptr, stride_ct, stride_st, k_eps, rope_half, rot, kc_ptr + h * BLOCK_N, slot_ptr,
-                       n_kv * BLOCK_N, BLOCK_N, HAS_NORM, True, True)
-    else:
-        h = pid_n - n_q - n_kv
-        norm_rope_tile(y0, stride_ym, offs_m, m_ok, vc_ptr, 0, kw_ptr, cos_ptr, sin_ptr, stride_ct, stride_st,
-                       k_eps, rope_half, rot, vc_ptr + h * BLOCK_N, slot_ptr, n_kv * BLOCK_N,
-                       BLOCK_N, HAS_NORM, True, False)
-
-
 # M (the rows) varies from call to call; specialised, it would compile a variant for rows divisible by 16
 # and one for the rest, and a serving engine's first eager step with an unseen kind would stall
 # every request while it compiles. The rows only bound masks and offsets, which lose nothing.
 @triton.jit(do_not_specialize=["M"])
 def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, K_SPLIT, NUM_SPLITS, stride_xm,
-                   stride_wn, stride_ym,
-                   # HEADS (skinny_qkv_heads): q/k outputs, norm weights, cos/sin, caches, slots, sizes
-                   qo_ptr, ko_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot_ptr, stride_ct, stride_st,
-                   n_q, n_kv, q_eps, k_eps, rope_half, rot,
-                   HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN: tl.constexpr,
+                   stride_wn, stride_ym, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
-                   UPCAST: tl.constexpr, USE_PDL: tl.constexpr, ACT: tl.constexpr, HEADS: tl.constexpr,
-                   HAS_NORM: tl.constexpr):
+                   UPCAST: tl.constexpr, USE_PDL: tl.constexpr, ACT: tl.constexpr):
     # ACT >= 0 (skinny_gated): W is [gate; up] (N = 2I rows); a tile holds BLOCK_N / 2 gate rows and
     # the same up rows, so its epilogue has both halves of its outputs. Each row's products are the
     # plain launch's (same tiles along K, same splits): only which rows share a program changes.
@@ -193,10 +160,6 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, K_S
     if last:
         _store_rows(acc, b_ptr, y_ptr, offs_n, n_ok, offs_m, m_ok, pid_n, half, stride_ym, HAS_BIAS,
                     ACT, BLOCK_N, BLOCK_M)
-        if HEADS:
-            _finish_heads(y_ptr, stride_ym, pid_n, offs_m, m_ok, qo_ptr, ko_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr,
-                          kc_ptr, vc_ptr, slot_ptr, stride_ct, stride_st, n_q, n_kv, q_eps, k_eps, rope_half, rot,
-                          BLOCK_N, HAS_NORM)
 
 
 @dataclass(frozen=True)
@@ -215,11 +178,10 @@ def sm_count(device: torch.device) -> int:
     return 4  # the interpreter: small grids, so tests on small shapes exercise split-K
 
 
-def plan(m: int, n: int, k: int, dtype: torch.dtype, sms: int, split_ok: bool = True,
-         block_n: int | None = None) -> SkinnyConfig:
+def plan(m: int, n: int, k: int, dtype: torch.dtype, sms: int, split_ok: bool = True) -> SkinnyConfig:
     """The launch shape for ``[m, k] @ [n, k].T``: enough programs to cover the SMs twice, first
     through narrower output tiles, then by splitting K (bounded so the fp32 partials stay a small
-    fraction of the weight bytes). ``block_n`` fixes the output tile (a head, for skinny_qkv_heads)."""
+    fraction of the weight bytes)."""
     cdiv = triton.cdiv
     block_m = min(max(16, triton.next_power_of_2(m)), _MAX_BLOCK_M)
     elem = 4 if dtype == torch.float32 else 2
@@ -232,12 +194,11 @@ def plan(m: int, n: int, k: int, dtype: torch.dtype, sms: int, split_ok: bool = 
     # --sweep --m 32, RESULTS.md run 10) found 64-feature tiles and a third to a half as many programs as
     # SMs fastest on every qwen3-0.6b projection (fewer, longer programs: less ramp-up and tail).
     wide = block_m == 32
-    if block_n is None:
-        block_n = 64 if wide or cdiv(n, 64) * m_tiles >= sms else 32
-        if wide and cdiv(n, 64) * m_tiles >= 4 * sms:  # the vocabulary projection: 78.4 vs 83.3 us at n64
-            block_n = 128
-        if interpreting():
-            block_n = 16
+    block_n = 64 if wide or cdiv(n, 64) * m_tiles >= sms else 32
+    if wide and cdiv(n, 64) * m_tiles >= 4 * sms:  # the vocabulary projection: 78.4 vs 83.3 us at n64
+        block_n = 128
+    if interpreting():
+        block_n = 16
     target = max(1, int(sms * WIDE_PROGRAMS_PER_SM)) if wide else 2 * sms
     tiles = cdiv(n, block_n) * m_tiles
     steps = cdiv(k, block_k)
@@ -302,41 +263,7 @@ def skinny_gated(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return _launch(x2, weight, bias, config, act).view(*x.shape[:-1], weight.shape[0] // 2)
 
 
-def skinny_qkv_heads(x: torch.Tensor, weight: torch.Tensor, bias, n_q: int, n_kv: int, cos, sin, q_weight, k_weight,
-                     q_eps: float, k_eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                     config: SkinnyConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The packed q/k/v projection (``weight [(n_q + 2 n_kv) D, K]``) and qk_norm_rope's work with its
-    KV-cache store, in one launch: each tile is one head, and the program that finishes it norms and
-    rotates it (q, k) and writes k and v to their cache slots. Returns ``(q, k, v)`` ``[T, H, D]``: q and k
-    in x's dtype as ``qk_norm_rope_forward(..., kv_store=...)`` returns them, v the projection's."""
-    _check(x, weight, bias)
-    x2 = _rows(x)
-    t, d = x2.shape[0], k_cache.shape[-1]
-    if weight.shape[0] != (n_q + 2 * n_kv) * d or d & (d - 1):
-        raise ValueError(f"skinny_qkv_heads: weight {tuple(weight.shape)} is not {n_q} + 2 x {n_kv} heads of a "
-                         f"power-of-two head_dim {d}")
-    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[0] != t or cos.shape[1] > d or cos.shape[1] % 2:
-        raise ValueError(f"skinny_qkv_heads: cos/sin must be [T={t}, R] with an even R <= head_dim {d}, got "
-                         f"{tuple(cos.shape)} and {tuple(sin.shape)}")
-    if slots.shape != (t,) or k_cache.shape != v_cache.shape or k_cache.shape[-2] != n_kv:
-        raise ValueError(f"skinny_qkv_heads: slots {tuple(slots.shape)} must be [T={t}] and both caches "
-                         f"[blocks, page, {n_kv}, {d}], got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    if set(output_dtypes(x, x, cos, q_weight)) != {x.dtype}:
-        raise UnsupportedError(f"skinny_qkv_heads returns q and k in x's dtype ({x.dtype}), but qk_norm_rope would "
-                               f"round them to {output_dtypes(x, x, cos, q_weight)[0]} for cos {cos.dtype}: run "
-                               "the projection and qk_norm_rope separately")
-    q_out = torch.empty(t, n_q, d, device=x.device, dtype=x.dtype)
-    k_out = torch.empty(t, n_kv, d, device=x.device, dtype=x.dtype)
-    has_norm = q_weight is not None
-    heads = dict(head_dim=d, q_out=q_out, k_out=k_out, q_weight=q_weight if has_norm else cos,
-                 k_weight=k_weight if has_norm else cos, cos=cos, sin=sin, k_cache=k_cache, v_cache=v_cache,
-                 slots=slots, stride_ct=cos.stride(0), stride_st=sin.stride(0), n_q=n_q, n_kv=n_kv,
-                 q_eps=q_eps, k_eps=k_eps, rot=cos.shape[-1], has_norm=has_norm)
-    qkv = _launch(x2, weight, bias, config, heads=heads)
-    return q_out, k_out, qkv[:, (n_q + n_kv) * d:].view(t, n_kv, d)
-
-
-def _launch(x2, weight, bias, config, act: int = -1, heads: dict | None = None) -> torch.Tensor:
+def _launch(x2, weight, bias, config, act: int = -1) -> torch.Tensor:
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
     m, k = x2.shape
@@ -350,8 +277,7 @@ def _launch(x2, weight, bias, config, act: int = -1, heads: dict | None = None) 
             raise ValueError("skinny_gated needs at least one input feature")
         return y.zero_() if bias is None else y.copy_(bias.expand(m, n))
     # A gated launch takes the plain launch's plan for all 2I rows, so each row's sums are the same.
-    head_dim = heads["head_dim"] if heads else None
-    cfg = config or plan(m, n, k, x2.dtype, sm_count(x2.device), block_n=head_dim)
+    cfg = config or plan(m, n, k, x2.dtype, sm_count(x2.device))
     if cfg.block_k <= 0 or cfg.k_split % cfg.block_k:
         raise ValueError(f"{cfg}: k_split must be a positive multiple of block_k")
 
@@ -369,7 +295,7 @@ def _launch(x2, weight, bias, config, act: int = -1, heads: dict | None = None) 
             _warned_capture.append(True)
             logger.info("skinny GEMM: first called inside a CUDA graph capture, so calls captured before one runs "
                         "outside a capture do without split-K; run one call before capturing for the faster launch")
-        cfg = plan(m, n, k, x2.dtype, sm_count(x2.device), split_ok=False, block_n=head_dim)
+        cfg = plan(m, n, k, x2.dtype, sm_count(x2.device), split_ok=False)
         grid = grid_of(cfg)
     splits = grid[1]
     split_k = splits > 1
@@ -377,17 +303,9 @@ def _launch(x2, weight, bias, config, act: int = -1, heads: dict | None = None) 
     use_pdl = pdl_enabled(x2.device)
     extra = {"launch_pdl": True} if use_pdl else {}
     rows_even = n % cfg.block_n == 0 if act < 0 else n_out % (cfg.block_n // 2) == 0
-    h = heads or {}
-    if heads and cfg.block_n != head_dim:
-        raise ValueError(f"{cfg}: skinny_qkv_heads needs one head per tile (block_n = head_dim = {head_dim})")
     _skinny_kernel[grid](
         x2, weight, bias if bias is not None else y, y, part, counters if split_k else y, m, n, k, cfg.k_split,
         splits, x2.stride(0), weight.stride(0), y.stride(0),
-        *[h.get(name, y) for name in ("q_out", "k_out", "q_weight", "k_weight", "cos", "sin", "k_cache", "v_cache",
-                                      "slots")],
-        h.get("stride_ct", 0), h.get("stride_st", 0), h.get("n_q", 0), h.get("n_kv", 0), h.get("q_eps", 0.0),
-        h.get("k_eps", 0.0), h.get("rot", 0) // 2, h.get("rot", 0),
-        HEADS=heads is not None, HAS_NORM=h.get("has_norm", False),
         HAS_BIAS=bias is not None, SPLIT_K=split_k, EVEN=(rows_even and k % cfg.block_k == 0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         PREC="ieee" if x2.dtype == torch.float32 else "tf32", UPCAST=interpreting(), USE_PDL=use_pdl, ACT=act,
