@@ -240,6 +240,8 @@ def main(argv=None) -> int:
     ap.add_argument("--fake", action="store_true", help="stub model: the engine's host cost only")
     ap.add_argument("--kernels", action="store_true", help="also profile the kernels of a mixed and a decode step")
     ap.add_argument("--plain-layers", action="store_true", help="load without use_kernels")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="cProfile the steps taken while prompts wait (mixed / prefill steps): where their host time goes")
     ap.add_argument("--csv", default=None, help="write one line per step to this file")
     args = ap.parse_args(argv)
 
@@ -268,8 +270,18 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     seqs = [engine.add_request(ids, params) for ids in inputs]
     engine.step_observer = trace
+    host_profile = None
+    if args.host_profile:
+        import cProfile
+
+        host_profile = cProfile.Profile()
     while engine.has_unfinished_requests():
-        engine.step()
+        if host_profile is not None and engine.scheduler.waiting:
+            host_profile.enable()
+            engine.step()
+            host_profile.disable()
+        else:
+            engine.step()
     if cuda:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
@@ -279,6 +291,13 @@ def main(argv=None) -> int:
     print(f"\nW4-style run: {len(inputs)} requests, {sum(map(len, inputs))} prompt tokens, {args.new} new each; "
           f"preemptions {engine.scheduler.num_preemptions}")
     summarize(trace.rows, seconds, out_tokens, kv_per_token, cuda)
+    if host_profile is not None:
+        import pstats
+
+        print("\nhost profile of the steps taken while prompts waited (cProfile slows them; ranks count):")
+        stats = pstats.Stats(host_profile).strip_dirs()
+        stats.sort_stats("tottime").print_stats(25)
+        stats.sort_stats("cumulative").print_stats(30)
     if args.csv:
         keys = ["wall", "host", "wait", "sched", "launch", "gpu", "gap", "seqs", "decode", "prefill", "kv_tokens",
                 "graph", "outputs"]
