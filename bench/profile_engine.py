@@ -261,6 +261,7 @@ def main(argv=None) -> int:
     trace = StepTrace(cuda)
     if cuda:
         torch.cuda.synchronize()
+        alloc_before = torch.cuda.memory_stats()
     start = time.perf_counter()
     seqs = [engine.add_request(ids, params) for ids in inputs]
     engine.step_observer = trace
@@ -285,6 +286,11 @@ def main(argv=None) -> int:
     print(f"\nW4-style run: {len(inputs)} requests, {sum(map(len, inputs))} prompt tokens, {args.new} new each; "
           f"preemptions {engine.scheduler.num_preemptions}")
     summarize(trace.rows, seconds, out_tokens, kv_per_token, cuda)
+    if cuda:  # cudaMalloc / cudaFree inside the timed run stall the host (a free synchronises the device)
+        after = torch.cuda.memory_stats()
+        print("allocator during the run: " + ", ".join(
+            f"{k} +{after.get(k, 0) - alloc_before.get(k, 0)}"
+            for k in ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")))
     if host_profile is not None:
         import pstats
 
