@@ -58,6 +58,9 @@ def engine_like_us(steps: int, layers: int = 28) -> float:
 
 def main() -> None:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print(f"default BLAS library: {torch.backends.cuda.preferred_blas_library()}")
+    for i in range(3):
+        print(f"  engine-like, default library, round {i}: {engine_like_us(4):7.1f} us a call")
     for lib in ("cublaslt", "cublas"):
         torch.backends.cuda.preferred_blas_library(lib)
         print(f"preferred BLAS library: {torch.backends.cuda.preferred_blas_library()}")
@@ -68,7 +71,9 @@ def main() -> None:
             print(f"  {name:8} N={n:5} K={k:5}: same row count {same:7.1f} us, a new row count each call {new:7.1f} us")
         padded = host_us(list(range(6001 + 500 * (lib == "cublas"), 6041 + 500 * (lib == "cublas"))), 4096, 1024, 128)
         print(f"  q/k/v, a new row count each call padded to a multiple of 128: {padded:7.1f} us")
-        print(f"  engine-like (a new row count per step, 28 layers x 4 projections): {engine_like_us(4):7.1f} us a call")
+        for i in range(2):
+            print(f"  engine-like (a new row count per step, 28 layers x 4 projections), round {i}: "
+                  f"{engine_like_us(4):7.1f} us a call")
 
 
 if __name__ == "__main__":
