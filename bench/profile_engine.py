@@ -298,6 +298,7 @@ def main(argv=None) -> int:
         stats = pstats.Stats(host_profile).strip_dirs()
         stats.sort_stats("tottime").print_stats(25)
         stats.sort_stats("cumulative").print_stats(30)
+        stats.sort_stats("tottime").print_callers(12)  # who pays for the most expensive functions
     if args.csv:
         keys = ["wall", "host", "wait", "sched", "launch", "gpu", "gap", "seqs", "decode", "prefill", "kv_tokens",
                 "graph", "outputs"]
