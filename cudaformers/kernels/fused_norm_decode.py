@@ -36,6 +36,11 @@ qk_norm_rope, while the fused prologue's loads, norm and rotary all wait for the
 critical path. So it applies where PDL is off (``FUSE_ATTENTION_WITH_PDL`` overrides that), and
 ``FUSE_ATTENTION = False`` turns it off entirely (bench/generate.py's ``+nofuseattn``).
 
+At 5-32 rows the norms stay separate launches. Folded into the skinny GEMMs (each program summing
+the squares of whole rows first, then normalising every x tile it loads), W3 on an H200 fell from
+24,409 / 24,443 to 19,167 / 19,178 tok/s: the normalised tiles no longer stream straight into the
+tensor-core loop, which costs far more than the 2 x 28 norm launches (whose removal would be worth
+at most 24,287 -> 25,813, ``bench/ceilings.py``).
 At 5-32 rows the q/k/v skinny GEMM finishing each head itself (qk_norm_rope's norm, rotary and cache
 store in its epilogue, one head per tile) was built and measured on an H200 at W3: 23,134 against
 24,671 tok/s, because one-head tiles cost the projection more than the launch saved; removed.
