@@ -8,8 +8,7 @@ but the decode norms not folded into the GEMVs after them), ``+nomlp`` (kernels,
 activation left out of the down projection's GEMV), ``+torchinputs`` (the decode step's inputs as
 torch ops and the model's own rotary instead of one launch: ``generation.decode.STEP_INPUTS_KERNEL``)
 and ``+nofuseattn`` (decode attention as qk_norm_rope then the paged decode, two launches, instead of
-the one fused launch: ``kernels.fused_norm_decode.FUSE_ATTENTION``) and ``+noskinnyfold`` (at 5-32 rows the
-decode norms as their own launches instead of inside the skinny GEMMs: ``fused_norm_decode.FOLD_SKINNY``).
+the one fused launch: ``kernels.fused_norm_decode.FUSE_ATTENTION``).
 """
 
 from __future__ import annotations
@@ -82,7 +81,6 @@ def run_ours(folder, batch, variant, check_eager) -> dict:
     decode.STEP_INPUTS_KERNEL = "torchinputs" not in flags
     fused_norm_decode.FUSE_ATTENTION = "nofuseattn" not in flags
     fused_norm_decode.FUSE_ATTENTION_WITH_PDL = "fuseattnpdl" in flags
-    fused_norm_decode.FOLD_SKINNY = "noskinnyfold" not in flags  # 5-32 rows: norms in the skinny GEMM
     # skinnyN: 17-32-row skinny launches aim for N/100 programs per SM; splitA.T.S: busy paged-decode
     # grids split past A keys into pieces of >= T tiles with S stages
     from cudaformers.kernels import paged_decode, skinny_gemm
@@ -106,7 +104,6 @@ def run_ours(folder, batch, variant, check_eager) -> dict:
         decode.STEP_INPUTS_KERNEL = True
         fused_norm_decode.FUSE_ATTENTION = True
         fused_norm_decode.FUSE_ATTENTION_WITH_PDL = False
-        fused_norm_decode.FOLD_SKINNY = True
         skinny_gemm.WIDE_PROGRAMS_PER_SM = 1 / 3
         hub.GATED_SKINNY = True
         paged_decode.BUSY_SPLIT_ABOVE, paged_decode.BUSY_SPLIT_TILES, paged_decode.BUSY_STAGES = 2048, 3, 4

@@ -138,9 +138,6 @@ triton+kernels+split128.1.2,triton+kernels+split256.2.4,triton+kernels --json "$
     fuseattn-ab) run fuseattn-ab 200 python3 bench/generate.py --skip-hf --workloads W3 --check-eager --variants \
                    triton+kernels,triton+kernels+fuseattnpdl,triton+kernels,triton+kernels+fuseattnpdl \
                    --json "$OUT/results.jsonl" ;;
-    skinnyfold-ab) run skinnyfold-ab 200 python3 bench/generate.py --skip-hf --workloads W3 --check-eager --variants \
-                     triton+kernels,triton+kernels+noskinnyfold,triton+kernels,triton+kernels+noskinnyfold \
-                     --json "$OUT/results.jsonl" ;;
     fold-ab) run fold-ab 200 python3 bench/generate.py --skip-hf --workloads W1,W2,W3 \
                --variants triton+kernels,triton+kernels+nofold --json "$OUT/results.jsonl" ;;
     attention-graph) run attention-graph 200 python3 -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider -n 8 \

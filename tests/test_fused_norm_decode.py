@@ -21,8 +21,7 @@ from cudaformers.kernels.hub import LAYER_TYPES, KernelConfig, kernelize, resolv
 # The decode kernels the fold sits among (what use_kernels=True gives on CUDA), with and without it.
 DECODE = {"RMSNorm": "cudaformers:rms_norm", "Linear": "cudaformers:gemv",
           "GatedMLP": {"cpu": {"inference": "cudaformers:fused_mlp_decode", "training": ""}},
-          "rotary_pos_emb": {"cpu": {"inference": "cudaformers:qk_norm_rope", "training": ""}},
-          "SiluAndMul": {"cpu": {"inference": "cudaformers:act_and_mul", "training": ""}}}
+          "rotary_pos_emb": {"cpu": {"inference": "cudaformers:qk_norm_rope", "training": ""}}}
 UNFUSED = KernelConfig({**DECODE, "DecoderLayer": ""})
 FUSED = KernelConfig({**DECODE, "DecoderLayer": {"cpu": {"inference": "cudaformers:fused_norm_decode",
                                                          "training": ""}}})
@@ -42,22 +41,6 @@ def folds(monkeypatch):
     return calls
 
 
-@pytest.fixture
-def skinny_folds(monkeypatch):
-    """Rows seen by each norm folded into the skinny GEMM (5-32 rows), and the activation it ran with."""
-    import cudaformers.kernels.skinny_gemm as skinny
-
-    calls = []
-    real = skinny.skinny_rms_norm
-
-    def counting(x, *args, **kwargs):
-        calls.append((x.shape[0], args[5] if len(args) > 5 else kwargs.get("activation")))
-        return real(x, *args, **kwargs)
-
-    monkeypatch.setattr(skinny, "skinny_rms_norm", counting)
-    return calls
-
-
 def _models(name, dtype=torch.float32):
     folder = tiny.checkpoint(name)
     load = dict(dtype=dtype)
@@ -69,7 +52,7 @@ GREEDY = dict(max_new_tokens=10, do_sample=False, eos_token_id=None)
 
 
 @pytest.mark.parametrize("name", ["qwen3", "llama_bias"])  # llama_bias: packed q/k/v and gate/up biases
-def test_generates_the_unfused_and_the_plain_tokens(name, folds, skinny_folds):
+def test_generates_the_unfused_and_the_plain_tokens(name, folds):
     unfused, fused = _models(name)
     assert "DecoderLayer -> cudaformers:fused_norm_decode" in fused.explain()
     plain = AutoModelForCausalLM.from_pretrained(tiny.checkpoint(name), use_kernels=False).eval()
@@ -79,32 +62,12 @@ def test_generates_the_unfused_and_the_plain_tokens(name, folds, skinny_folds):
     got = fused.generate(ids, **GREEDY)
     assert torch.equal(got, want)
     assert torch.equal(got, plain.generate(ids, **GREEDY))
-    # Every one-token step folds both norms of every layer into the GEMVs; the 7-row prompt pass
-    # folds them into the skinny GEMMs (gate/up as its gated launch).
-    layers = len(fused.model.layers)
-    assert folds == [1] * ((GREEDY["max_new_tokens"] - 1) * 2 * layers)
-    assert skinny_folds == [(7, None), (7, "silu")] * layers
+    # The 7-row prefill runs unfolded; every one-token step folds both norms of every layer.
+    assert folds == [1] * ((GREEDY["max_new_tokens"] - 1) * 2 * len(fused.model.layers))
 
 
-@pytest.mark.parametrize("rows", [5, 8, 32])
-def test_skinny_rows_fold_into_the_skinny_gemm(rows, folds, skinny_folds, monkeypatch):
-    """5-32 rows: the norms run inside the skinny GEMMs; the logits those of the unfused kernels up to
-    the fold's sum of squares (summed in K tiles: rstd within an ulp), and bit for bit with it off."""
-    unfused, fused = _models("qwen3")
-    ids = torch.randint(3, 211, (1, rows), generator=torch.Generator().manual_seed(rows))
-    with torch.no_grad():
-        got, want = fused(ids).logits, unfused(ids).logits
-    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
-    assert not folds and skinny_folds == [(rows, None), (rows, "silu")] * len(fused.model.layers)
-    monkeypatch.setattr(fused_module, "FOLD_SKINNY", False)
-    with torch.no_grad():
-        assert torch.equal(fused(ids).logits, want)
-    assert len(skinny_folds) == 2 * len(fused.model.layers)
-
-
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 33])
-def test_logits_equal_the_unfused_kernels_at_and_past_the_row_limit(rows, folds, monkeypatch):
-    monkeypatch.setattr(fused_module, "FOLD_SKINNY", False)  # 5-32 rows: test_skinny_rows_fold_...
+@pytest.mark.parametrize("rows", [1, 3, 4, 5])
+def test_logits_equal_the_unfused_kernels_at_and_past_the_row_limit(rows, folds):
     unfused, fused = _models("qwen3")
     ids = torch.randint(3, 211, (1, rows), generator=torch.Generator().manual_seed(rows))
     with torch.no_grad():

@@ -184,24 +184,20 @@ for n, k in json.loads(sys.argv[1]):
             variants[("fp32" if dtype == torch.float32 else "bf16", c.block_m, c.block_n, c.block_k, split,
                       c.num_warps, c.num_stages)] = None
 names = sg._skinny_kernel.arg_names
-# The plain launch, and for bf16 the gated one (skinny_gated: SiLU epilogue) on the same plans, each
-# also with a folded norm (skinny_rms_norm).
-for (dt, bm, bn, bk, split, warps, stages), act, norm in [
-        (v, a, f) for v in variants for a in (-1, 0) for f in (False, True) if (a < 0 and not f) or v[0] == "bf16"]:
+# The plain launch, and for bf16 the gated one (skinny_gated: SiLU epilogue) on the same plans.
+for (dt, bm, bn, bk, split, warps, stages), act in [(v, a) for v in variants for a in (-1, 0)
+                                                    if a < 0 or v[0] == "bf16"]:
     consts = dict(HAS_BIAS=True, SPLIT_K=split, EVEN=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                  PREC="ieee" if dt == "fp32" else "tf32", UPCAST=False, USE_PDL=True, ACT=act, NORM=norm,
-                  HAS_RESIDUAL=norm)
-    ptrs = dict(x_ptr=dt, w_ptr=dt, b_ptr=dt, y_ptr=dt, part_ptr="fp32", count_ptr="i32", r_ptr=dt, nw_ptr=dt,
-                s_ptr=dt)
-    sig = {a: "constexpr" if a in consts else "fp32" if a == "eps" else "*" + ptrs[a] if a in ptrs else "i32"
-           for a in names}
-    aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names) if a not in consts and a != "eps"}
+                  PREC="ieee" if dt == "fp32" else "tf32", UPCAST=False, USE_PDL=True, ACT=act)
+    ptrs = dict(x_ptr=dt, w_ptr=dt, b_ptr=dt, y_ptr=dt, part_ptr="fp32", count_ptr="i32")
+    sig = {a: "constexpr" if a in consts else "*" + ptrs[a] if a in ptrs else "i32" for a in names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names) if a not in consts}
     kernel = triton.compile(ASTSource(sg._skinny_kernel, sig, consts, aligned), target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=warps, num_stages=stages))
     ptx = kernel.asm["ptx"]
     wait = ptx.index("griddepcontrol.wait")
     before = ptx[:wait]
-    print(json.dumps(dict(variant=[dt, bm, bn, bk, split, warps, stages, act, norm], shared=kernel.metadata.shared,
+    print(json.dumps(dict(variant=[dt, bm, bn, bk, split, warps, stages, act], shared=kernel.metadata.shared,
                           loads_before_wait=before.count("ld.global"), writes_before_wait=before.count("st.global")
                           + before.count("atom."), releases_after_wait="griddepcontrol.launch_dependents" in ptx[wait:])))
 '''

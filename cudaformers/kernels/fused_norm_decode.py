@@ -1,5 +1,5 @@
-"""The "DecoderLayer" kernel: a dense decoder layer whose two RMSNorms run inside the GEMVs (or skinny
-GEMMs) that consume them (``gemv.gemv_rms_norm``, ``skinny_gemm.skinny_rms_norm``), at decode sizes.
+"""The "DecoderLayer" kernel: a dense decoder layer whose two RMSNorms run inside the GEMVs that
+consume them (``gemv.gemv_rms_norm``), at decode sizes.
 
 A layer normally runs ``input_layernorm`` -> packed q/k/v GEMV and ``post_attention_layernorm`` ->
 packed gate/up GEMV: two norm launches, and two normed rows written and read back. Folded, each
@@ -18,13 +18,6 @@ The fold pays where a layer is a few microseconds of GEMV: every program of the 
 whole input row for its sum of squares, which costs little against a launch at hidden size 1024 and
 more than a launch at 4096. Measured on an H200 (bench/RESULTS.md run 8): qwen3-0.6b decode 1,095 ->
 1,156 tok/s with the fold, qwen3-8b 220 -> 206. So it applies up to ``FOLD_MAX_HIDDEN`` features.
-
-At 5-32 rows the skinny GEMM takes the projections, and the norms fold into it the same way
-(``skinny_gemm.skinny_rms_norm``; the post-attention norm into the gated gate/up launch, so the MLP is
-two launches): every program of the skinny GEMM sums the squares of whole rows (32 x hidden, from L2)
-before streaming its weights. On an H200, dropping the two norm launches altogether would lift W3
-(qwen3-0.6b, batch 32) from 24,287 to 25,813 tok/s (``bench/ceilings.py``); ``FOLD_SKINNY = False``
-keeps them separate (bench/generate.py's ``+noskinnyfold``).
 
 Past the folded q/k/v GEMV, a pure decode step's attention can be one launch where that is what
 would run anyway (``_attention_fuses``): the triton backend's paged decode with qk_norm_rope's
@@ -56,15 +49,12 @@ from ..layers.mlp import GatedMLP
 from ..layers.norm import RMSNorm
 from .fused_projections import PackedLinear
 from .gemv import gemv_applies, gemv_rms_norm
-from .hub import gated_skinny_plan
 from .pdl import pdl_enabled
 
 FOLD_MAX_HIDDEN = 2048  # widest input row the norm is folded for (see the module docstring)
 # Decode attention past the folded GEMV as one launch (see the module docstring); off for A/B runs.
 FUSE_ATTENTION = True
 FUSE_ATTENTION_WITH_PDL = False  # measured slower under PDL on an H200 (module docstring)
-# 5-32 rows: the norms inside the skinny GEMM after them (skinny_rms_norm); off for A/B runs.
-FOLD_SKINNY = True
 
 
 def _unhooked(module: nn.Module) -> bool:
@@ -91,34 +81,19 @@ def _packed(owner: nn.Module, name: str, linears) -> PackedLinear | None:
     return packed if all(_streams_plainly(m) for m in linears) else None
 
 
-def _fold(norm: RMSNorm, packed: PackedLinear | None, hidden, residual, activation: str | None = None):
+def _fold(norm: RMSNorm, packed: PackedLinear | None, hidden, residual):
     """``(packed(norm(hidden + residual)), hidden + residual)`` in one launch, or None where it
-    would not match the unfused path. 1-4 rows take the GEMV, 5-32 the skinny GEMM (where the
-    unfused projection would run it: ``hub.runs_skinny``); ``activation`` (skinny only) makes the
-    result ``act(gate) * up`` of a packed gate/up projection, as ``skinny_gated``."""
+    would not match the unfused path."""
     if packed is None or not _plain_norm(norm) or torch.is_autocast_enabled(hidden.device.type):
         return None
     if hidden.shape[-1] > FOLD_MAX_HIDDEN:
         return None
     inputs = (hidden, norm.weight) if residual is None else (hidden, residual, norm.weight)
-    if activation is None and gemv_applies(packed.weight, *inputs):
-        launch = gemv_rms_norm
-    elif FOLD_SKINNY and _skinny_takes(packed, *inputs):
-        from .skinny_gemm import skinny_rms_norm
-
-        def launch(x, w, nw, eps, residual=None, bias=None):
-            return skinny_rms_norm(x, w, nw, eps, residual, bias, activation)
-    else:
+    if not gemv_applies(packed.weight, *inputs):
         return None
     if residual is None:  # the first layer: the embedding is the residual
-        return launch(hidden, packed.weight, norm.weight, norm.variance_epsilon, bias=packed.bias), hidden
-    return launch(hidden, packed.weight, norm.weight, norm.variance_epsilon, residual, packed.bias)
-
-
-def _skinny_takes(packed: PackedLinear, hidden, *others) -> bool:
-    from .hub import runs_skinny
-
-    return runs_skinny(packed, hidden) and all(t.dtype == hidden.dtype and t.device == hidden.device for t in others)
+        return gemv_rms_norm(hidden, packed.weight, norm.weight, norm.variance_epsilon, bias=packed.bias), hidden
+    return gemv_rms_norm(hidden, packed.weight, norm.weight, norm.variance_epsilon, residual, packed.bias)
 
 
 def _attention_fuses(attn: Attention, q, k, v, cos, sin, batch) -> bool:
@@ -241,12 +216,6 @@ def fused_norm_decode_forward(self, hidden, residual, cos, sin, batch):
         hidden = attn(hidden, cos, sin, batch)
 
     # The exact class is DecoderLayer (the hub's predicate), so feed_forward is the MLP itself.
-    gated = gated_skinny_plan(mlp, hidden) if _gate_up_packed(mlp) is not None else None
-    if gated is not None:  # 5-32 rows: the norm, gate/up and act-and-mul in one skinny launch
-        folded = _fold(self.post_attention_layernorm, gated[0], hidden, residual, activation=gated[1])
-        if folded is not None:
-            h, residual = folded
-            return mlp.down_proj(h), residual
     folded = _fold(self.post_attention_layernorm, _gate_up_packed(mlp), hidden, residual)
     if folded is not None:
         gate_up, residual = folded

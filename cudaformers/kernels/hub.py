@@ -115,44 +115,24 @@ def gated_mlp_down(mlp, gate, up):
 GATED_SKINNY = True  # off: the gate/up launch and the act-and-mul launch (A/B runs)
 
 
-def runs_skinny(packed, x) -> bool:
-    """Whether the packed projection's unfused forward would take ``x`` on the skinny GEMM: it runs
-    the hub's Linear kernel (not F.linear, as with ``kernel_mapping={"Linear": ""}``) at 5-32 rows."""
-    from .skinny_gemm import skinny_applies
-
-    return (getattr(packed.__dict__.get("forward"), "__func__", None) is _linear
-            and skinny_applies(packed.weight, x))
-
-
-def gated_skinny_plan(mlp, x):
-    """``(packed gate/up projection, activation name)`` where the unfused path at 5-32 rows would run
-    exactly the packed gate/up projection on the skinny GEMM, then the act-and-mul kernel (so one
-    gated skinny launch computes the same); None elsewhere."""
+def _gated_skinny(mlp, x):
+    """``act(gate) * up`` from one skinny launch (``skinny_gated``) at 5-32 rows, where the unfused path
+    would run exactly that: the packed gate/up projection on the skinny GEMM, then the act-and-mul
+    kernel. None elsewhere."""
     from .fused_norm_decode import _packed
+    from .skinny_gemm import skinny_applies, skinny_gated
 
     if not GATED_SKINNY:
         return None
     packed = _packed(mlp, "packed_gate_up", (mlp.gate_proj, mlp.up_proj))
     act = mlp.act_fn
-    if packed is None or not runs_skinny(packed, x):
+    if packed is None or getattr(packed.__dict__.get("forward"), "__func__", None) is not _linear:
         return None
     if getattr(act.__dict__.get("forward"), "__func__", None) is not _act_and_mul or act._forward_hooks:
         return None
-    if packed.sizes[0] * 2 != packed.weight.shape[0]:
+    if packed.sizes[0] * 2 != packed.weight.shape[0] or not skinny_applies(packed.weight, x):
         return None
-    return packed, act.name
-
-
-def _gated_skinny(mlp, x):
-    """``act(gate) * up`` from one skinny launch (``skinny_gated``) where ``gated_skinny_plan`` allows;
-    None elsewhere."""
-    from .skinny_gemm import skinny_gated
-
-    plan = gated_skinny_plan(mlp, x)
-    if plan is None:
-        return None
-    packed, act = plan
-    return skinny_gated(x, packed.weight, packed.bias, act)
+    return skinny_gated(x, packed.weight, packed.bias, act.name)
 
 
 def _fused_mlp_decode(self, x):

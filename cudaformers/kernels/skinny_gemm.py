@@ -17,9 +17,7 @@ says whether it should take a call, with the row range as a parameter (``ROWS`` 
 An epilogue lets a decode layer drop a launch after the GEMM, bit for bit (on the interpreter) what
 the separate kernel computes from the stored output: ``skinny_gated``, a packed gate/up projection
 whose tiles pair gate rows with the same up rows, and write ``act(gate) * up`` (the act-and-mul
-launch; +2.0% on W3, bench/RESULTS.md run 17). A prologue drops the launch before it:
-``skinny_rms_norm`` normalises x on the way in (the decoder layer's RMSNorm, folded), the rows' sums of
-squares taken in a first pass over whole rows by every program.
+launch; +2.0% on W3, bench/RESULTS.md run 17).
 """
 
 from __future__ import annotations
@@ -89,48 +87,14 @@ def _store_rows(acc, b_ptr, y_ptr, rows_w, n_ok, offs_m, m_ok, pid_n, n_out, str
         tl.store(y, out, mask=n_ok[:, None] & m_ok[None, :])
 
 
-@triton.jit
-def _x_tile(x_ptrs, r_ptrs, nw_ptrs, mask, k_ok, rstd, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-    """An x tile ``[BLOCK_M, BLOCK_K]`` as loaded, or (NORM) ``rms_norm(x + residual)`` at these
-    columns, rounded as the norm kernel rounds: the sum and the normalised row to x's dtype, then
-    scaled by the norm weight and rounded again."""
-    x = tl.load(x_ptrs, mask=mask, other=0.0)
-    if NORM:
-        if HAS_RESIDUAL:
-            x = (x.to(tl.float32) + tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
-        normed = (x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32)
-        x = (normed * tl.load(nw_ptrs, mask=k_ok, other=0.0).to(tl.float32)[None, :]).to(x.dtype)
-    return x
-
-
-@triton.jit
-def _row_rstd(x_rows, r_rows, s_rows, m_ok, offs_k, K, eps, s_cols, HAS_RESIDUAL: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """rms_norm's ``rstd [BLOCK_M]`` over whole rows of ``x + residual`` (every program needs all of
-    K, whatever part of it it multiplies); it also stores the sum (the next residual) at columns
-    below ``s_cols``: all of them in one program per row tile, none in the others."""
-    sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ok = m_ok[:, None] & ((k0 + offs_k) < K)[None, :]
-        x = tl.load(x_rows + k0, mask=ok, other=0.0)
-        if HAS_RESIDUAL:
-            x = (x.to(tl.float32) + tl.load(r_rows + k0, mask=ok, other=0.0).to(tl.float32)).to(x.dtype)
-            tl.store(s_rows + k0, x, mask=ok & ((k0 + offs_k) < s_cols)[None, :])
-        xf = x.to(tl.float32)
-        sq += xf * xf
-    return 1.0 / tl.sqrt(tl.sum(sq, axis=1) / K + eps)
-
-
 # M (the rows) varies from call to call; specialised, it would compile a variant for rows divisible by 16
 # and one for the rest, and a serving engine's first eager step with an unseen kind would stall
 # every request while it compiles. The rows only bound masks and offsets, which lose nothing.
 @triton.jit(do_not_specialize=["M"])
-def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, r_ptr, nw_ptr, s_ptr, M, N, K, K_SPLIT,
-                   NUM_SPLITS, stride_xm, stride_wn, stride_ym, stride_rm, eps, HAS_BIAS: tl.constexpr,
-                   SPLIT_K: tl.constexpr, EVEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
-                   ACT: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-    # NORM (skinny_rms_norm): x is normalised on the way in, x + residual r (sum out s), norm weight nw.
+def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, K_SPLIT, NUM_SPLITS, stride_xm,
+                   stride_wn, stride_ym, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+                   UPCAST: tl.constexpr, USE_PDL: tl.constexpr, ACT: tl.constexpr):
     # ACT >= 0 (skinny_gated): W is [gate; up] (N = 2I rows); a tile holds BLOCK_N / 2 gate rows and
     # the same up rows, so its epilogue has both halves of its outputs. Each row's products are the
     # plain launch's (same tiles along K, same splits): only which rows share a program changes.
@@ -163,15 +127,7 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, r_ptr, nw_pt
     else:
         w = tl.load(w_rows + k_begin, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
     wait_for_producer(USE_PDL)
-    r_rows = r_ptr + offs_m.to(tl.int64)[:, None] * stride_rm + offs_k[None, :]
-    nw = nw_ptr + offs_k
-    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if NORM:
-        s_rows = s_ptr + offs_m.to(tl.int64)[:, None] * K + offs_k[None, :]
-        s_cols = tl.where((pid_n == 0) & (pid_k == 0), K, 0)
-        rstd = _row_rstd(x_rows, r_rows, s_rows, m_ok, offs_k, K, eps, s_cols, HAS_RESIDUAL, BLOCK_M, BLOCK_K)
-    x = _x_tile(x_rows + k_begin, r_rows + k_begin, nw + k_begin, m_ok[:, None] & k_ok[None, :], k_ok, rstd,
-                NORM, HAS_RESIDUAL)
+    x = tl.load(x_rows + k_begin, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
     acc = _dot(w, tl.trans(x), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), PREC, UPCAST)
     for k0 in range(k_begin + BLOCK_K, k_end, BLOCK_K):
         k_ok = (k0 + offs_k) < K
@@ -179,7 +135,7 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, r_ptr, nw_pt
             w = tl.load(w_rows + k0)
         else:
             w = tl.load(w_rows + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        x = _x_tile(x_rows + k0, r_rows + k0, nw + k0, m_ok[:, None] & k_ok[None, :], k_ok, rstd, NORM, HAS_RESIDUAL)
+        x = tl.load(x_rows + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         acc = _dot(w, tl.trans(x), acc, PREC, UPCAST)
     release_dependents(USE_PDL)
 
@@ -307,30 +263,7 @@ def skinny_gated(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return _launch(x2, weight, bias, config, act).view(*x.shape[:-1], weight.shape[0] // 2)
 
 
-def skinny_rms_norm(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                    residual: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-                    activation: str | None = None, config: SkinnyConfig | None = None):
-    """``F.linear(rms_norm(x + residual), weight, bias)`` in one launch, rounded as the two ops are (the
-    norm's sum of squares in another order: rstd within an ulp of the norm kernel's). With
-    ``activation`` the weight is a packed gate/up projection and the result ``act(gate) * up``, as
-    ``skinny_gated``. Returns ``y``, or ``(y, x + residual)`` with a residual (the next residual).
-
-    Every program first reads whole rows of x and residual for their sum of squares (from L2: a
-    decode batch's rows are 32 x hidden), then streams its weights against the normalised rows; the
-    norm's launch, its output and the re-read of that output are gone."""
-    from .gemv import with_folded_norm
-
-    _check(x, weight, bias)
-    act = -1 if activation is None else _code(activation)
-    if act >= 0 and weight.shape[0] % 2:
-        raise ValueError(f"skinny_rms_norm: a gated weight {tuple(weight.shape)} must stack gate and up ([2I, K])")
-    n = weight.shape[0] if act < 0 else weight.shape[0] // 2
-    return with_folded_norm(lambda x2, r2, norm: _launch(x2, weight, bias, config, act, norm, r2),
-                            x, n, norm_weight, eps, residual)
-
-
-def _launch(x2, weight, bias, config, act: int = -1, norm: tuple | None = None, r2=None) -> torch.Tensor:
-    """``norm``: ``(norm weight, eps, sum output or None)`` for NORM (r2, the residual rows, or x2)."""
+def _launch(x2, weight, bias, config, act: int = -1) -> torch.Tensor:
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
     m, k = x2.shape
@@ -370,16 +303,13 @@ def _launch(x2, weight, bias, config, act: int = -1, norm: tuple | None = None, 
     use_pdl = pdl_enabled(x2.device)
     extra = {"launch_pdl": True} if use_pdl else {}
     rows_even = n % cfg.block_n == 0 if act < 0 else n_out % (cfg.block_n // 2) == 0
-    norm_w, eps, s = norm if norm is not None else (y, 0.0, None)
-    r2 = r2 if r2 is not None else x2
     _skinny_kernel[grid](
-        x2, weight, bias if bias is not None else y, y, part, counters if split_k else y, r2, norm_w,
-        s if s is not None else y, m, n, k, cfg.k_split, splits, x2.stride(0), weight.stride(0), y.stride(0),
-        r2.stride(0), eps, HAS_BIAS=bias is not None, SPLIT_K=split_k, EVEN=(rows_even and k % cfg.block_k == 0),
+        x2, weight, bias if bias is not None else y, y, part, counters if split_k else y, m, n, k, cfg.k_split,
+        splits, x2.stride(0), weight.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, SPLIT_K=split_k, EVEN=(rows_even and k % cfg.block_k == 0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         PREC="ieee" if x2.dtype == torch.float32 else "tf32", UPCAST=interpreting(), USE_PDL=use_pdl, ACT=act,
-        NORM=norm is not None, HAS_RESIDUAL=s is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **extra)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra)
     return y
 
 
