@@ -134,13 +134,20 @@ def main(argv=None) -> int:
                     help="compare this many requests' engine tokens with generate()'s (0: skip)")
     ap.add_argument("--ablate", action="store_true", help="also time ours without graphs / without async")
     ap.add_argument("--json", default=None, help="append the JSON record to this file")
+    ap.add_argument("--max-batch-tokens", default=None,
+                    help="comma-separated engine max_batch_tokens to time ours at, in this order (A/B runs)")
     args = ap.parse_args(argv)
 
     inputs = requests(args.requests)
     folder = random_checkpoint("qwen3-0.6b")
     rows = {}
     kernels = args.kernels == "on"
-    rows["cudaformers"] = run_ours(folder, inputs, args.attn, kernels, check=args.check_generate)
+    if args.max_batch_tokens:
+        for i, tokens in enumerate(int(t) for t in args.max_batch_tokens.split(",")):
+            rows[f"cudaformers, {tokens} tokens/step #{i}"] = run_ours(folder, inputs, args.attn, kernels,
+                                                                       max_batch_tokens=tokens)
+    else:
+        rows["cudaformers"] = run_ours(folder, inputs, args.attn, kernels, check=args.check_generate)
     if args.ablate:
         rows["cudaformers, no graphs"] = run_ours(folder, inputs, args.attn, kernels, use_cuda_graph=False)
         rows["cudaformers, no async"] = run_ours(folder, inputs, args.attn, kernels, use_async_batching=False)
