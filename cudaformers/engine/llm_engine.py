@@ -39,6 +39,16 @@ def _eos_ids(model) -> frozenset:
     return frozenset(int(i) for i in ids if i is not None and i >= 0)
 
 
+# Tokens per step for the offline APIs (LLM, generate_batch, the continuous-batching manager); the
+# OpenAI server keeps 8192, where a longer step would stall every running request's next token. A
+# step that carries prompt chunks runs eagerly and is bound by the host (~60 ms for a qwen3-0.6b step
+# whatever its size, against ~18 ms of GPU work at 8192 tokens, bench/profile_engine.py), so fewer,
+# larger steps finish a batch sooner: W4 on an H200 23,651 / 24,654 tok/s at 8192, 28,482 / 28,183 at
+# 16384, 31,501 / 31,725 at 32768 (bench/serve_offline.py --max-batch-tokens). 16384 as vLLM's
+# offline default; the activation peak it adds is taken from the KV cache (cache_sizing.py).
+OFFLINE_MAX_BATCH_TOKENS = 16384
+
+
 class LLMEngine:
     def __init__(self, model, tokenizer=None, *, max_batch_tokens: int = 8192, max_num_seqs: int = 256,
                  num_blocks: int | None = None, block_size: int = 16, max_model_len: int | None = None,
