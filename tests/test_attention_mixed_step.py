@@ -34,6 +34,36 @@ def test_mixed_step_matches_eager(window):
                               sliding_window=window)
         outs[name] = backend(q, k, v, batch, 0, d ** -0.5, window)
     torch.testing.assert_close(outs["triton"], outs["eager"], atol=1e-4, rtol=1e-4)
+    # Every layer after the first reuses the step's split metadata; the result is the same.
+    torch.testing.assert_close(backend(q, k, v, batch, 0, d ** -0.5, window), outs["triton"], atol=0, rtol=0)
+    assert "triton_mixed_split" in batch._memo
+
+
+def test_decode_and_prefill_kernels_write_into_a_given_output():
+    import os
+
+    from cudaformers.kernels.flash_attention_fwd import attention_fwd
+    from cudaformers.kernels.paged_decode import paged_decode
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    g = torch.Generator().manual_seed(1)
+    cache = KVCache(1, 8, 4, 2, 16, torch.float32, torch.device("cpu"))
+    cache.k[0].normal_(generator=g)
+    cache.v[0].normal_(generator=g)
+    q = torch.randn(2, 4, 16, generator=g)
+    lens, table = torch.tensor([5, 7], dtype=torch.int32), torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    out = torch.zeros(3, 4, 16)
+    got = paged_decode(q, cache.k[0], cache.v[0], lens, table, 7, 0.25, out=out[1:])
+    assert got.data_ptr() == out[1:].data_ptr() and not out[0].any()
+    torch.testing.assert_close(out[1:], paged_decode(q, cache.k[0], cache.v[0], lens, table, 7, 0.25))
+    with pytest.raises(ValueError, match="must have q's shape"):
+        paged_decode(q, cache.k[0], cache.v[0], lens, table, 7, 0.25, out=out[:1])
+    cu = torch.tensor([0, 2], dtype=torch.int32)
+    with pytest.raises(ValueError, match="must have q's shape"):
+        attention_fwd(q, q, q, cu, cu, 2, 0.25, out=out[:2].double())
+    into = torch.empty(2, 4, 16)
+    assert attention_fwd(q, q, q, cu, cu, 2, 0.25, out=into)[0].data_ptr() == into.data_ptr()
 
 
 def test_scheduler_puts_decodes_first():

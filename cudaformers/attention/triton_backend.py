@@ -76,14 +76,23 @@ class TritonAttention(AttentionBackend):
                                    scale, window, block_table=batch.block_table)
             return out
         # A mixed step: the leading single-query rows through the decode kernel (one program per KV
-        # head, not a mostly-empty query tile per head), the prefill chunks through the prefill kernel.
+        # head, not a mostly-empty query tile per head), the prefill chunks through the prefill kernel,
+        # each writing its rows of one output. The step is bound by the host, so the two halves'
+        # metadata is cut once per step (``memo``), not in every layer.
+        lens_k, decode_table, cu_q, cu_k, prefill_table = batch.memo("triton_mixed_split", lambda: _split(batch, d))
         out = torch.empty_like(q)
-        out[:d] = paged_decode(q[:d], k_cache, v_cache, batch.seqlens_k[:d], batch.block_table[:d],
-                               batch.max_seqlen_k, scale, window)
-        cu_k = batch.cu_seqlens_k[d:]
-        out[d:], _ = attention_fwd(q[d:], k_cache, v_cache, batch.cu_seqlens_q[d:] - d, cu_k - cu_k[0],
-                                   batch.max_seqlen_q, scale, window, block_table=batch.block_table[d:])
+        paged_decode(q[:d], k_cache, v_cache, lens_k, decode_table, batch.max_seqlen_k, scale, window, out=out[:d])
+        attention_fwd(q[d:], k_cache, v_cache, cu_q, cu_k, batch.max_seqlen_q, scale, window,
+                      block_table=prefill_table, out=out[d:])
         return out
+
+
+def _split(batch, d: int):
+    """A mixed step's first ``d`` (decode) sequences' lengths and block table, and the prefill
+    sequences' offsets (rebased to their own first token and key) and block table."""
+    cu_k = batch.cu_seqlens_k[d:]
+    return (batch.seqlens_k[:d], batch.block_table[:d], batch.cu_seqlens_q[d:] - d, cu_k - cu_k[0],
+            batch.block_table[d:])
 
 
 register(TritonAttention())

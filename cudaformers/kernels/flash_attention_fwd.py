@@ -192,16 +192,22 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 def attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, scale: float,
-                  window: int | None = None, block_table: torch.Tensor | None = None):
+                  window: int | None = None, block_table: torch.Tensor | None = None,
+                  out: torch.Tensor | None = None):
     """Varlen causal attention forward. Returns ``out [Tq, Hq, D]`` and ``lse [Hq, Tq]`` (fp32, base 2).
 
     With ``block_table``, ``k``/``v`` are the paged cache ``[num_blocks, page, Hkv, D]`` and
-    ``cu_seqlens_k`` counts each sequence's cached keys (context + new tokens).
+    ``cu_seqlens_k`` counts each sequence's cached keys (context + new tokens). ``out`` (q's shape and
+    dtype, last dim contiguous) receives the result instead of a new tensor.
     """
     check_inputs(q, k, v)
     q = q if q.stride(-1) == 1 else q.contiguous()
     num_tokens, num_heads, head_dim = q.shape
-    out = torch.empty_like(q)
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1:
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} on {out.device} must have q's shape, dtype and "
+                         f"device {tuple(q.shape)} {q.dtype} {q.device}, its last dim contiguous")
     lse = torch.empty(num_heads, num_tokens, dtype=torch.float32, device=q.device)
     num_seqs = cu_seqlens_q.numel() - 1
     if num_tokens == 0 or num_seqs == 0:

@@ -390,18 +390,28 @@ class NewToken(NamedTuple):
 
 def paged_decode(q, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k: int, scale: float,
                  window: int | None = None, num_splits: int | None = None,
-                 tiling: DecodeTiling | None = None) -> torch.Tensor:
+                 tiling: DecodeTiling | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """One query per sequence against its paged keys: ``q [B, Hq, D]`` -> ``[B, Hq, D]``.
 
     ``k_cache``/``v_cache`` are ``[num_blocks, page, Hkv, D]``; sequence b has ``seqlens_k[b]`` keys
     (its query is the last of them) at the slots named by ``block_table[b]``. ``max_seqlen_k`` bounds
     every ``seqlens_k[b]`` and sizes the grid. ``num_splits`` fixes the grid's splits (default: from
-    the SM count); ``tiling`` overrides ``default_tiling`` (benchmarks, tests).
+    the SM count); ``tiling`` overrides ``default_tiling`` (benchmarks, tests). ``out`` (q's shape and
+    dtype, last dim contiguous; e.g. the leading rows of a mixed step's output) receives the result.
     """
     check_inputs(q, k_cache, v_cache)
     q = q if q.stride(-1) == 1 else q.contiguous()
-    return launch(q, torch.empty_like(q), k_cache, v_cache, seqlens_k, block_table, max_seqlen_k, scale, window,
+    return launch(q, _output(q, out), k_cache, v_cache, seqlens_k, block_table, max_seqlen_k, scale, window,
                   num_splits, tiling)
+
+
+def _output(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        return torch.empty_like(q)
+    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1:
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} on {out.device} must have q's shape, dtype and "
+                         f"device {tuple(q.shape)} {q.dtype} {q.device}, its last dim contiguous")
+    return out
 
 
 def launch(q, out, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k: int, scale: float, window: int | None,
