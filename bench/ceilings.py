@@ -19,15 +19,14 @@ from __future__ import annotations
 
 import argparse
 import gc
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import emit, environment, random_checkpoint  # noqa: E402
+from generate_overhead import call_ms  # noqa: E402
 
 WORKLOADS = {"W1": 1, "W3": 32}
 PROMPT, NEW = 128, 256
@@ -73,18 +72,6 @@ def _skip(model, what: str) -> None:
         raise SystemExit(f"unknown skip {what!r}: none, layer_norms, qk_norm_rope, attention, lm_head")
 
 
-def call_s(model, ids, new: int, reps: int) -> float:
-    kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False)
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        model.generate(ids, **kw)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--workloads", default="W1,W3")
@@ -103,9 +90,9 @@ def main() -> None:
             model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, device_map="cuda",
                                                          attn_implementation="triton", use_kernels=True)
             _skip(model, what)
-            call_s(model, ids, NEW, 1)  # warm-up: compiles and captures
-            full = call_s(model, ids, NEW, 3)
-            one = call_s(model, ids, 1, 5)
+            call_ms(model, ids, NEW, 1)  # warm-up: compiles and captures
+            full = call_ms(model, ids, NEW, 3) / 1e3
+            one = call_ms(model, ids, 1, 5) / 1e3
             tok_s = batch * NEW / full
             per_step_ms = (full - one) / (NEW - 1) * 1e3
             rows.append((wl, what, tok_s, one * 1e3, per_step_ms))
