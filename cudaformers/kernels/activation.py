@@ -22,6 +22,7 @@ import triton.language as tl
 
 from ..errors import UnsupportedError
 from ..layers.activation import act_and_mul_reference
+from .grid import cdiv, next_power_of_2
 from .pdl import pdl_enabled, release_dependents, wait_for_producer
 
 # hidden_act name -> kernel code
@@ -95,10 +96,10 @@ def _grid(n_rows: int, n_cols: int, device: torch.device) -> tuple[tuple[int, in
     # 1024 columns per program for wide batches; narrower blocks when there are few rows (a small
     # decode batch), so that the grid still covers every SM about twice.
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-    block = min(1024, triton.next_power_of_2(n_cols))
-    while block > 128 and n_rows * triton.cdiv(n_cols, block) < 2 * sms:
+    block = min(1024, next_power_of_2(n_cols))
+    while block > 128 and n_rows * cdiv(n_cols, block) < 2 * sms:
         block //= 2
-    return (n_rows, triton.cdiv(n_cols, block)), block, max(1, min(4, block // 256))
+    return (n_rows, cdiv(n_cols, block)), block, max(1, min(4, block // 256))
 
 
 def _check(gate: torch.Tensor, up: torch.Tensor) -> None:

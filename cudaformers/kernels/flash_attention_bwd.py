@@ -19,6 +19,7 @@ from .flash_attention_fwd import (
     INTERPRET_BLOCK, LOG2E, NO_WINDOW, _UPCAST_DOT, _dot, _dot_precision, _key_runs, block_d,
     interpreting,
 )
+from .grid import cdiv
 
 
 @triton.jit
@@ -236,14 +237,14 @@ def attention_bwd(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_
     dq_args = (q, k, v, do, lse, delta, dq, *common, dq.stride(0), dq.stride(1), lse.stride(0))
     if interpreting():
         b = INTERPRET_BLOCK
-        _attn_bwd_dkdv_kernel[(triton.cdiv(max_seqlen_k, b), num_seqs, num_kv_heads)](
+        _attn_bwd_dkdv_kernel[(cdiv(max_seqlen_k, b), num_seqs, num_kv_heads)](
             *dkdv_args, BLOCK_M=b, BLOCK_N=b, **meta)
-        _attn_bwd_dq_kernel[(triton.cdiv(max_seqlen_q, b), num_seqs, num_heads)](
+        _attn_bwd_dq_kernel[(cdiv(max_seqlen_q, b), num_seqs, num_heads)](
             *dq_args, BLOCK_M=b, BLOCK_N=b, **meta)
     else:
         key = max(64, bd)
-        _dkdv_tuned[key][lambda m: (triton.cdiv(max_seqlen_k, m["BLOCK_N"]), num_seqs, num_kv_heads)](
+        _dkdv_tuned[key][lambda m: (cdiv(max_seqlen_k, m["BLOCK_N"]), num_seqs, num_kv_heads)](
             *dkdv_args, **meta)
-        _dq_tuned[key][lambda m: (triton.cdiv(max_seqlen_q, m["BLOCK_M"]), num_seqs, num_heads)](
+        _dq_tuned[key][lambda m: (cdiv(max_seqlen_q, m["BLOCK_M"]), num_seqs, num_heads)](
             *dq_args, **meta)
     return dq, dk, dv

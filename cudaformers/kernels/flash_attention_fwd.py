@@ -19,6 +19,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+from .grid import cdiv, next_power_of_2
+
 
 LOG2E = 1.4426950408889634
 
@@ -172,7 +174,7 @@ INTERPRET_BLOCK = 16  # tl.dot needs every dimension >= 16
 
 
 def block_d(head_dim: int) -> int:
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, next_power_of_2(head_dim))
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -229,11 +231,11 @@ def attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, scale:
     meta = dict(HEAD_DIM=head_dim, BLOCK_D=bd, GROUPS=num_heads // k.shape[1], HAS_WINDOW=bool(window),
                 PAGED=paged, PAGE_SIZE=page_size, PREC=_dot_precision(q.dtype), UPCAST=_UPCAST_DOT)
     if interpreting():
-        grid = (triton.cdiv(max_seqlen_q, INTERPRET_BLOCK), num_seqs, num_heads)
+        grid = (cdiv(max_seqlen_q, INTERPRET_BLOCK), num_seqs, num_heads)
         _attn_fwd_kernel[grid](*args, BLOCK_M=INTERPRET_BLOCK, BLOCK_N=INTERPRET_BLOCK, **meta)
     else:
         def grid(m):
-            return (triton.cdiv(max_seqlen_q, m["BLOCK_M"]), num_seqs, num_heads)
+            return (cdiv(max_seqlen_q, m["BLOCK_M"]), num_seqs, num_heads)
         _fwd_tuned[max(64, bd)][grid](*args, **meta)
     return out, lse
 

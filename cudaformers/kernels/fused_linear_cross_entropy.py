@@ -29,6 +29,7 @@ import triton.language as tl
 from . import loss_chunks
 
 from ..layers.loss import IGNORE_INDEX, cross_entropy_from_logits
+from .grid import next_power_of_2
 
 logger = logging.getLogger("cudaformers")
 
@@ -113,7 +114,7 @@ def _flce(hidden, weight, targets, scale, ignore_index, want_grad_h, want_grad_w
     grad_w = torch.zeros(v, h, device=weight.device, dtype=torch.float32) if want_grad_w else None
     write_grad = want_grad_h or want_grad_w
     cuda = hidden.device.type == "cuda"
-    block = min(triton.next_power_of_2(v), 4096 if cuda else 1024)
+    block = min(next_power_of_2(v), 4096 if cuda else 1024)
     warps = 8 if cuda and block >= 2048 else 4
     for start in range(0, n, chunk):
         h_c = hidden[start:start + chunk]

@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from .activation import _act_and_grad, _code
+from .grid import cdiv, next_power_of_2
 from .pdl import pdl_enabled, release_dependents, wait_for_producer
 
 MAX_ROWS = 4
@@ -148,7 +149,7 @@ def tiling(n: int, k: int, device: torch.device) -> tuple[int, int, int]:
     block = 1
     while block < 16 and n // (block * 2) >= TILING["programs_per_sm"] * sms:
         block *= 2
-    return block, min(triton.next_power_of_2(k), max(TILING["elements"] // block, 16)), TILING["warps"]
+    return block, min(next_power_of_2(k), max(TILING["elements"] // block, 16)), TILING["warps"]
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -168,7 +169,7 @@ def _launch(x2, u2, weight, bias, act: int, norm: tuple | None = None) -> torch.
         raise ValueError(f"input rows of {k} features do not match the weight {tuple(weight.shape)} ([N, K])")
     y = torch.empty(m, n, device=x2.device, dtype=x2.dtype)
     block_n, block_k, warps = tiling(n, k, x2.device)
-    grid = (triton.cdiv(n, block_n), m)
+    grid = (cdiv(n, block_n), m)
     pdl = pdl_enabled(x2.device)  # GEMVs run without autograd only: always an inference launch
     norm_w, eps, s = norm if norm is not None else (y, 0.0, None)
     _gemv_kernel[grid](x2, u2, weight, bias if bias is not None else y, y, norm_w, s if s is not None else y,

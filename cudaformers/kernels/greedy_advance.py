@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from ..device import triton_runs_on
+from .grid import cdiv, next_power_of_2
 from .pdl import pdl_enabled, release_dependents, wait_for_producer
 
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -136,19 +137,19 @@ def greedy_advance(logits: torch.Tensor, state) -> None:
                          f"column stride on CUDA (or the interpreter), and contiguous loop buffers on its device; "
                          f"got {tuple(logits.shape)} {logits.dtype}, strides {logits.stride()}, on {logits.device}")
     rows, cols = logits.shape
-    chunk = max(1, triton.cdiv(triton.cdiv(cols, MAX_SPLITS), BLOCK_V)) * BLOCK_V
-    splits = triton.cdiv(cols, chunk)
+    chunk = max(1, cdiv(cdiv(cols, MAX_SPLITS), BLOCK_V)) * BLOCK_V
+    splits = cdiv(cols, chunk)
     pval = torch.empty(rows, splits, dtype=torch.float32, device=logits.device)
     pidx = torch.empty(2, rows, splits, dtype=torch.int32, device=logits.device)
     pdl = pdl_enabled(logits.device)
     _partial_argmax[(rows, splits)](logits, pval, pidx, cols, logits.stride(0), chunk, splits, state.eos,
                                     state.step, state.min_new, BLOCK=BLOCK_V, MASK_EOS=state.kind.min_new,
                                     EOS_SLOTS=state.eos.numel(), USE_PDL=pdl, num_warps=4, launch_pdl=pdl)
-    block_s = triton.next_power_of_2(splits)
-    block_b = min(triton.next_power_of_2(rows), max(1, 2048 // block_s))
+    block_s = next_power_of_2(splits)
+    block_b = min(next_power_of_2(rows), max(1, 2048 // block_s))
     _finish[(1,)](pval, pidx, rows, splits, state.tokens, state.out, state.out.stride(0), state.out.shape[1],
                   state.finished, state.ends, state.eos, state.eos.numel(), state.pad, state.step, state.max_new,
-                  BLOCK_B=block_b, BLOCK_S=block_s, BLOCK_E=triton.next_power_of_2(max(state.eos.numel(), 1)),
+                  BLOCK_B=block_b, BLOCK_S=block_s, BLOCK_E=next_power_of_2(max(state.eos.numel(), 1)),
                   USE_PDL=pdl, num_warps=4, launch_pdl=pdl)
 
 

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .grid import next_power_of_2
 from .pdl import pdl_enabled, release_dependents, wait_for_producer
 
 # Casts Triton and PyTorch round alike; other cache dtypes (fp8) keep the PyTorch store.
@@ -66,8 +67,8 @@ def store_kv_triton(k_cache, v_cache, k, v, slot_mapping) -> None:
         return
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
-    block_d = triton.next_power_of_2(d)
-    block_h = min(triton.next_power_of_2(h), max(1, 4096 // block_d))
+    block_d = next_power_of_2(d)
+    block_h = min(next_power_of_2(h), max(1, 4096 // block_d))
     pdl = pdl_enabled(k.device)
     _store_kv_kernel[(t,)](k, v, k_cache, v_cache, slot_mapping, h, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                            HEAD_DIM=d, BLOCK_H=block_h, BLOCK_D=block_d, USE_PDL=pdl,

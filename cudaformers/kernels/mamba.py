@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from .grid import cdiv, next_power_of_2
+
 
 
 # -- references ----------------------------------------------------------------------------------
@@ -153,7 +155,7 @@ def _conv1d_forward(x, weight, bias, state, silu):
     k = weight.shape[-1]
     y = torch.empty_like(x)
     if seq:
-        grid = (b, triton.cdiv(c, _CONV_BLOCK), triton.cdiv(seq, _CONV_BLOCK))
+        grid = (b, cdiv(c, _CONV_BLOCK), cdiv(seq, _CONV_BLOCK))
         _conv1d_fwd[grid](x, weight, bias if bias is not None else weight, state if state is not None else x, y,
                           c, seq, HAS_BIAS=bias is not None, HAS_STATE=state is not None, SILU=silu, K=k,
                           BC=_CONV_BLOCK, BL=_CONV_BLOCK)
@@ -173,18 +175,18 @@ class _CausalConv1dFn(torch.autograd.Function):
         b, c, seq = x.shape
         k = weight.shape[-1]
         bl = _CONV_BLOCK
-        n_lt = triton.cdiv(seq, bl)
+        n_lt = cdiv(seq, bl)
         g = torch.empty(b, c, seq, device=x.device, dtype=torch.float32)
         dw = torch.zeros(b * n_lt, c, k, device=x.device, dtype=torch.float32)  # per-tile partials
         db = torch.zeros(b * n_lt, c, device=x.device, dtype=torch.float32)
         dx = torch.empty_like(x)
         ds = torch.empty_like(state) if state is not None else None
         if seq:
-            _conv1d_bwd_act[(b, triton.cdiv(c, _CONV_BLOCK), n_lt)](
+            _conv1d_bwd_act[(b, cdiv(c, _CONV_BLOCK), n_lt)](
                 x, weight, bias if bias is not None else weight, state if state is not None else x,
                 dy.contiguous(), g, dw, db, c, seq, HAS_BIAS=bias is not None, HAS_STATE=state is not None,
                 SILU=ctx.silu, K=k, BC=_CONV_BLOCK, BL=bl)
-        _conv1d_bwd_input[(b, triton.cdiv(c, _CONV_BLOCK), triton.cdiv(seq + k - 1, bl))](
+        _conv1d_bwd_input[(b, cdiv(c, _CONV_BLOCK), cdiv(seq + k - 1, bl))](
             g, weight, dx, ds if ds is not None else dx, c, seq, HAS_STATE=state is not None, K=k,
             BC=_CONV_BLOCK, BL=bl)
         db = db.sum(0).to(bias.dtype) if bias is not None else None
@@ -353,11 +355,11 @@ def _scan_forward(u, delta, A, B, C, D, z, delta_bias, state):
     h = state.float().clone().contiguous() if state is not None else \
         torch.zeros(bt, i, A.shape[1], device=u.device, dtype=torch.float32)
     y = torch.empty_like(u)
-    _scan_fwd[(bt, triton.cdiv(i, _SCAN_BLOCK_I))](
+    _scan_fwd[(bt, cdiv(i, _SCAN_BLOCK_I))](
         u, delta, A, B, C, D if D is not None else u, z if z is not None else u,
         delta_bias if delta_bias is not None else u, h, y, i, seq, A.shape[1],
         HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
-        BI=_SCAN_BLOCK_I, BN=triton.next_power_of_2(A.shape[1]))
+        BI=_SCAN_BLOCK_I, BN=next_power_of_2(A.shape[1]))
     return y, h
 
 
@@ -373,7 +375,7 @@ class _SelectiveScanFn(torch.autograd.Function):
         bt, i, seq = u.shape
         n = A.shape[1]
         f32 = dict(device=u.device, dtype=torch.float32)
-        n_blocks, n_chunks = triton.cdiv(i, _SCAN_BLOCK_I), triton.cdiv(seq, _SCAN_CHUNK)
+        n_blocks, n_chunks = cdiv(i, _SCAN_BLOCK_I), cdiv(seq, _SCAN_CHUNK)
         h0 = state.float().contiguous() if state is not None else torch.zeros(bt, i, n, **f32)
         dh_last = dh_last.float().contiguous() if dh_last is not None else torch.zeros(bt, i, n, **f32)
         du, ddelta = torch.empty_like(u), torch.empty_like(delta)
@@ -389,7 +391,7 @@ class _SelectiveScanFn(torch.autograd.Function):
             delta_bias if delta_bias is not None else u, h0, dy.contiguous(), dh_last, ckpt, hbuf,
             du, ddelta, dz if dz is not None else du, dA, dB, dC, dD, dbias, dh0, i, seq, n, n_chunks,
             HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
-            T=_SCAN_CHUNK, BI=_SCAN_BLOCK_I, BN=triton.next_power_of_2(n))
+            T=_SCAN_CHUNK, BI=_SCAN_BLOCK_I, BN=next_power_of_2(n))
         return (du, ddelta, dA.sum(0).to(A.dtype), dB.sum(1).to(B.dtype), dC.sum(1).to(C.dtype),
                 dD.sum(0).to(D.dtype) if D is not None else None, dz,
                 dbias.sum(0).to(delta_bias.dtype) if delta_bias is not None else None,

@@ -17,6 +17,7 @@ import triton.language as tl
 
 from ..layers.moe import moe_experts_reference, route_reference
 from .activation import act_and_mul_packed
+from .grid import cdiv, next_power_of_2
 
 
 # -- routing ----------------------------------------------------------------------------------------
@@ -79,7 +80,7 @@ def _route_forward(logits, top_k, renormalize):
     index = torch.empty(t, top_k, device=logits.device, dtype=torch.int64)
     if t:
         _topk_softmax[(t,)](logits, weights, index, e, TOP_K=top_k, RENORM=renormalize,
-                            BLOCK_E=triton.next_power_of_2(e))
+                            BLOCK_E=next_power_of_2(e))
     return weights, index
 
 
@@ -99,7 +100,7 @@ class _RouteFn(torch.autograd.Function):
         dlogits = torch.empty_like(logits)
         if t:
             _topk_softmax_bwd[(t,)](logits, index, dweights.float().contiguous(), dlogits, e,
-                                    TOP_K=index.shape[1], RENORM=ctx.renormalize, BLOCK_E=triton.next_power_of_2(e))
+                                    TOP_K=index.shape[1], RENORM=ctx.renormalize, BLOCK_E=next_power_of_2(e))
         return dlogits, None, None
 
 
@@ -183,7 +184,7 @@ class Schedule:
         self.expert_start = self.expert_end - counts
         tiles = (counts + block_m - 1) // block_m
         tile_end = torch.cumsum(tiles, 0)
-        max_tiles = triton.cdiv(flat.numel(), block_m) + n_experts  # worst case, known on the host
+        max_tiles = cdiv(flat.numel(), block_m) + n_experts  # worst case, known on the host
         ids = torch.arange(max_tiles, device=flat.device)
         self.tile_expert = torch.searchsorted(tile_end, ids, right=True)  # == n_experts: unused tile
         e = self.tile_expert.clamp(max=n_experts - 1)
@@ -207,7 +208,7 @@ def grouped_mm(x, w, sched: Schedule, transpose_w: bool = True):
     bm, bn, bk = _blocks(x.device)
     assert bm == sched.block_m
     if r:
-        grid = (sched.tile_expert.numel(), triton.cdiv(n, bn))
+        grid = (sched.tile_expert.numel(), cdiv(n, bn))
         _grouped_mm[grid](x, w, y, sched.tile_expert, sched.tile_row, sched.expert_end, sched.n_experts, n, k,
                           w.stride(0), swn, swk, BM=bm, BN=bn, BK=bk, UPCAST=_UPCAST)
     return y
@@ -218,7 +219,7 @@ def grouped_wgrad(dy, x, sched: Schedule):
     n, k = dy.shape[1], x.shape[1]
     dw = torch.empty(sched.n_experts, n, k, device=x.device, dtype=torch.float32)
     bm, bn, bk = _blocks(x.device)
-    _grouped_wgrad[(sched.n_experts, triton.cdiv(n, bn), triton.cdiv(k, bk))](
+    _grouped_wgrad[(sched.n_experts, cdiv(n, bn), cdiv(k, bk))](
         dy, x, dw, sched.expert_start, sched.expert_end, n, k, BM=bm, BN=bn, BK=bk, UPCAST=_UPCAST)
     return dw
 

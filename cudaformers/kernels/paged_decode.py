@@ -39,6 +39,7 @@ import triton.language as tl
 from .arrivals import arrival_counters
 from .flash_attention import attention_reference
 from .flash_attention_fwd import LOG2E, _UPCAST_DOT, _dot, _dot_precision, block_d, check_inputs, interpreting
+from .grid import cdiv, next_power_of_2
 from .l2_prefetch import LINE_BYTES, prefetch_l2
 from .pdl import pdl_enabled, release_dependents, wait_for_producer
 from .qk_norm_rope import norm_rope, rope_layout, rope_rows
@@ -360,13 +361,13 @@ def split_plan(num_seqs: int, num_kv_heads: int, max_seqlen_k: int, device: torc
     This sizes the grid only: each sequence then uses as many of these splits as its length needs.
     """
     programs = max(1, num_seqs * num_kv_heads)
-    splits = min(triton.cdiv(2 * _sms(device), programs), triton.cdiv(max(max_seqlen_k, 1), block_n), MAX_SPLITS)
+    splits = min(cdiv(2 * _sms(device), programs), cdiv(max(max_seqlen_k, 1), block_n), MAX_SPLITS)
     return _even_splits(max(1, splits), max_seqlen_k, block_n)
 
 
 def _even_splits(splits: int, max_seqlen_k: int, block_n: int) -> tuple[int, int]:
-    per_split = triton.cdiv(triton.cdiv(max(max_seqlen_k, 1), splits), block_n) * block_n
-    return triton.cdiv(max(max_seqlen_k, 1), per_split), per_split
+    per_split = cdiv(cdiv(max(max_seqlen_k, 1), splits), block_n) * block_n
+    return cdiv(max(max_seqlen_k, 1), per_split), per_split
 
 
 _warned_capture: list[bool] = []
@@ -442,8 +443,8 @@ def launch(q, out, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k: int, 
         splits = 1
     groups = num_heads // num_kv_heads
     bd = block_d(head_dim)
-    block_gm = max(2, triton.next_power_of_2(groups))
-    block_s = max(2, triton.next_power_of_2(splits))
+    block_gm = max(2, next_power_of_2(groups))
+    block_s = max(2, next_power_of_2(splits))
     if splits > 1:
         part = torch.empty(num_seqs, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
         lse = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=q.device)
@@ -470,12 +471,12 @@ def launch(q, out, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k: int, 
         scale * LOG2E, window or 0, tiling.split_above, *fused_args,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), block_table.stride(0),
         out.stride(0), out.stride(1), *split_strides, *fused_strides,
-        HEAD_DIM=head_dim, BLOCK_D=bd, GROUPS=groups, BLOCK_G=max(16, triton.next_power_of_2(groups)),
+        HEAD_DIM=head_dim, BLOCK_D=bd, GROUPS=groups, BLOCK_G=max(16, next_power_of_2(groups)),
         BLOCK_GM=block_gm, BLOCK_N=tiling.block_n, PAGE_SIZE=page_size, HAS_WINDOW=bool(window),
         MAY_SPLIT=splits > 1, SPLIT_TILES=tiling.split_tiles, BLOCK_S=block_s,
         CHUNK_S=max(1, min(block_s, _MERGE_ELEMENTS // (block_gm * bd))),
         PREC=_dot_precision(out.dtype), UPCAST=_UPCAST_DOT, USE_PDL=pdl, EARLY=early, CACHE=".cg" if early else "",
-        LINES=triton.next_power_of_2(triton.cdiv(head_dim * k.element_size(), LINE_BYTES)),
+        LINES=next_power_of_2(cdiv(head_dim * k.element_size(), LINE_BYTES)),
         LINE_ELEMS=LINE_BYTES // k.element_size(), FUSED=new is not None, HAS_NORM=has_norm,
         num_warps=tiling.num_warps, num_stages=tiling.num_stages, launch_pdl=pdl)
     return out

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from ..layers.rotary import apply_rotary_reference
+from .grid import next_power_of_2
 from .kv_store import supports as store_supported
 from .pdl import pdl_enabled, release_dependents, wait_for_producer
 
@@ -147,7 +148,7 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, qw_ptr, kw_ptr, cos_ptr, 
 
 def _heads_per_tile(n_heads: int, block_d: int) -> int:
     # ~4k elements per tile: all heads of a decode-sized model at once, bounded registers for wide ones.
-    return min(triton.next_power_of_2(n_heads), max(1, 4096 // block_d))
+    return min(next_power_of_2(n_heads), max(1, 4096 // block_d))
 
 
 def _norm_params(norm, name: str):
@@ -215,7 +216,7 @@ def qk_norm_rope_forward(q, k, cos, sin, q_weight=None, k_weight=None, q_eps: fl
     if t > 0:
         v, k_cache, v_cache, slots = kv_store if fused else (k, k_out, k_out, k)  # unused without STORE
         v = v if v.stride(-1) == 1 else v.contiguous()
-        block_d = triton.next_power_of_2(d)
+        block_d = next_power_of_2(d)
         pdl = pdl_enabled(q.device)  # no backward: always an inference launch
         _qk_norm_rope_kernel[(t, 3 if fused else 2)](
             q, k, q_out, k_out, q_weight if has_norm else cos, k_weight if has_norm else cos, cos, sin,
@@ -224,7 +225,7 @@ def qk_norm_rope_forward(q, k, cos, sin, q_weight=None, k_weight=None, q_eps: fl
             hq, hkv, q_eps, k_eps, rot // 2, rot,
             HEAD_DIM=d, HAS_NORM=has_norm, BLOCK_HQ=_heads_per_tile(hq, block_d),
             BLOCK_HK=_heads_per_tile(hkv, block_d), BLOCK_D=block_d, USE_PDL=pdl, STORE=fused,
-            num_warps=4 if block_d * triton.next_power_of_2(max(hq, hkv)) >= 2048 else 2, launch_pdl=pdl)
+            num_warps=4 if block_d * next_power_of_2(max(hq, hkv)) >= 2048 else 2, launch_pdl=pdl)
     if kv_store is not None and not fused:
         kv_store.store(k_out)
     return q_out, k_out

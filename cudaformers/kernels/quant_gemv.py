@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .grid import cdiv, next_power_of_2
 from .pdl import pdl_enabled, release_dependents, wait_for_producer
 from .quant_matmul import FMT_INT8, _FMT_IDS, PackedWeight, kernel_args, sm_count
 
@@ -150,7 +151,7 @@ def gemv_tiles(n: int, n_blocks: int, words_per_block: int, device: torch.device
     and down projections and equal on qkv (bench/quant.py --parts tiles, H200)."""
     sms = sm_count(device)
     step_words = 256 if int4 else 512
-    blocks = min(max(step_words // words_per_block, 1), triton.next_power_of_2(n_blocks))
+    blocks = min(max(step_words // words_per_block, 1), next_power_of_2(n_blocks))
     warps = min(4, max(1, blocks * words_per_block // 128))
     if int4 and n >= 8 * sms:
         return 8, blocks, warps
@@ -172,7 +173,7 @@ def quant_gemv(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = Non
     out = torch.empty(1, n, device=x.device, dtype=x.dtype)
     pdl = pdl_enabled(x.device)
     even = k == n_blocks * w.block and n_blocks % blocks == 0
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
+    _gemv_kernel[(cdiv(n, block_n),)](
         x, words, *kernel_args(w)[1:], bias if bias is not None else out, out, n, k, n_blocks, words.stride(0),
         FMT=fmt, BLOCK=w.block, BLOCK_N=block_n, BLOCKS=blocks, HAS_ZEROS=w.zeros is not None and fmt != FMT_INT8,
         DOUBLE=w.scales2 is not None, HAS_BIAS=bias is not None, EVEN_K=even, USE_PDL=pdl, num_warps=warps,
@@ -221,13 +222,13 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: t
     if x.stride(-1) != 1:
         x = x.contiguous()
     w = weight.view(torch.uint8)
-    block_k = min(2048, triton.next_power_of_2(k))  # 16 bytes per lane at 4 warps
+    block_k = min(2048, next_power_of_2(k))  # 16 bytes per lane at 4 warps
     block_n = 1
     while block_n < 4 and n // (2 * block_n) >= 4 * sm_count(x.device):
         block_n *= 2
     out = torch.empty(1, n, device=x.device, dtype=x.dtype)
     pdl = pdl_enabled(x.device)
-    _fp8_gemv_kernel[(triton.cdiv(n, block_n),)](x, w, scale, bias if bias is not None else out, out, n, k,
+    _fp8_gemv_kernel[(cdiv(n, block_n),)](x, w, scale, bias if bias is not None else out, out, n, k,
                                                  w.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
                                                  HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, USE_PDL=pdl,
                                                  num_warps=4, launch_pdl=pdl)

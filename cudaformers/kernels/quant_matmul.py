@@ -31,6 +31,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from .grid import cdiv
+
 
 FMT_INT8, FMT_INT4, FMT_LUT4 = 0, 1, 2
 _FMT_IDS = {"int8": FMT_INT8, "int4": FMT_INT4, "lut4": FMT_LUT4}
@@ -284,11 +286,11 @@ def quant_matmul_triton(x: torch.Tensor, w: PackedWeight, bias=None) -> torch.Te
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
     # Small M (decode batches) is memory bound: narrow tiles give every SM a share of the weights.
-    tiles_m = triton.cdiv(m, block_m)
+    tiles_m = cdiv(m, block_m)
     block_n = 64
-    while block_n > 16 and tiles_m * triton.cdiv(n, block_n) < 2 * sm_count(x.device):
+    while block_n > 16 and tiles_m * cdiv(n, block_n) < 2 * sm_count(x.device):
         block_n //= 2
-    grid = (tiles_m, triton.cdiv(n, block_n))
+    grid = (tiles_m, cdiv(n, block_n))
     n_blocks = w.n_blocks
     words = w.qweight.view(torch.int32)
     _gemm_kernel[grid](x, words, *kernel_args(w)[1:], bias if bias is not None else out, out, m, n, k, n_blocks,

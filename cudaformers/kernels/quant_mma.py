@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from .arrivals import arrival_counters
+from .grid import cdiv
 from .pdl import pdl_enabled, release_dependents, wait_for_producer
 from .quant_matmul import FMT_INT4, FMT_INT8, _FMT_IDS, PackedWeight, interpreting, sm_count
 
@@ -235,7 +236,7 @@ def preferred(x: torch.Tensor, w: PackedWeight) -> bool:
         return True
     n = w.out_features
     block_n, _, split, _, _ = default_tiles(n, w.n_blocks, x.device, 1)
-    return triton.cdiv(n, block_n) * split >= 2 * sm_count(x.device)
+    return cdiv(n, block_n) * split >= 2 * sm_count(x.device)
 
 
 def default_tiles(n: int, n_blocks: int, device: torch.device, rows: int = MAX_ROWS) -> tuple[int, int, int, int, int]:
@@ -251,7 +252,7 @@ def default_tiles(n: int, n_blocks: int, device: torch.device, rows: int = MAX_R
     block_n, groups = 32, 2
     if rows == 1 and n_blocks >= 64:
         return block_n, 4, 4, 2, 3
-    tiles = triton.cdiv(n, block_n)
+    tiles = cdiv(n, block_n)
     split = 1
     while 2 * tiles * split < 3 * sm_count(device) and n_blocks // (2 * split) >= 16:
         split *= 2
@@ -279,9 +280,9 @@ def quant_mma(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None
     n_blocks = w.n_blocks
     block_n, groups, split, warps, stages = tiles or default_tiles(n, n_blocks, x.device, m)
     # Each split gets whole steps of GROUPS blocks; a split left without blocks is dropped.
-    per_split = triton.cdiv(triton.cdiv(n_blocks, split), groups) * groups
-    split = triton.cdiv(n_blocks, per_split)
-    n_tiles = triton.cdiv(n, block_n)
+    per_split = cdiv(cdiv(n_blocks, split), groups) * groups
+    split = cdiv(n_blocks, per_split)
+    n_tiles = cdiv(n, block_n)
     arrived = arrival_counters(x.device, n_tiles) if split > 1 else None
     if split > 1 and arrived is None:  # inside a CUDA-graph capture that would have to make the counters
         if not _warned_capture:
@@ -289,7 +290,7 @@ def quant_mma(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None
             logger.warning("quant_mma: a CUDA graph captured before any eager call has no split counters, so "
                            "its quantized matmuls run unsplit (slower for long layers with few rows); run one "
                            "step before capturing")
-        split, per_split = 1, triton.cdiv(n_blocks, groups) * groups
+        split, per_split = 1, cdiv(n_blocks, groups) * groups
     if x.stride(-1) != 1:
         x = x.contiguous()
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from ..layers.norm import rms_norm_reference
+from .grid import cdiv, next_power_of_2
 from .pdl import pdl_enabled, release_dependents, wait_for_producer
 
 TILE = 4096  # values per tile (fp32 registers: 16 a thread at 8 warps)
@@ -117,9 +118,9 @@ def _programs_per_wave(device: torch.device) -> int:
 
 def _tile(n_rows: int, n_cols: int, device: torch.device) -> tuple[int, int, int]:
     """-> (BLOCK_R, BLOCK_N, num_warps): ~TILE values, fewer rows while the forward grid would leave SMs idle."""
-    block_n = triton.next_power_of_2(n_cols)
+    block_n = next_power_of_2(n_cols)
     block_r = max(1, TILE // block_n)
-    while block_r > 1 and triton.cdiv(n_rows, block_r) < _programs_per_wave(device):
+    while block_r > 1 and cdiv(n_rows, block_r) < _programs_per_wave(device):
         block_r //= 2
     return block_r, block_n, min(8, max(4, block_r * block_n // 512))
 
@@ -158,7 +159,7 @@ def rms_norm_forward(x, weight, eps, residual=None, pdl: bool = False, out_dtype
     rstd = torch.empty(n_rows, device=x.device, dtype=torch.float32)
     block_r, block_n, warps = _tile(n_rows, n_cols, x.device)
     r_or_x = r3 if r3 is not None else x3
-    _rms_norm_fwd[(triton.cdiv(n_rows, block_r),)](
+    _rms_norm_fwd[(cdiv(n_rows, block_r),)](
         x3, r_or_x, weight, y, s, rstd, n_rows, n_cols, eps, inner, x3.stride(0), x3.stride(1),
         r_or_x.stride(0), r_or_x.stride(1), HAS_RESIDUAL=r3 is not None, BLOCK_R=block_r, BLOCK_N=block_n,
         USE_PDL=pdl, num_warps=warps, launch_pdl=pdl)
@@ -181,7 +182,7 @@ def rms_norm_backward(dy, ds, s, weight, rstd):
     # The forward's tile shape, with the grid no larger than a few programs per SM: each program's
     # partial weight gradient is one row of ``dw``.
     block_r, block_n, warps = _tile(n_rows, n_cols, s.device)
-    n_tiles = triton.cdiv(n_rows, block_r)
+    n_tiles = cdiv(n_rows, block_r)
     programs = min(n_tiles, 2 * _programs_per_wave(s.device))
     dw = torch.empty(programs, n_cols, device=s.device, dtype=torch.float32)
     _rms_norm_bwd[(programs,)](dy2, ds2 if ds2 is not None else dy2, s3, weight, rstd, dx, dw, n_rows, n_cols,

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from ..layers.rotary import apply_rotary_reference
+from .grid import cdiv, next_power_of_2
 
 
 @triton.jit
@@ -50,9 +51,9 @@ def _rotate_into(x: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, sin: tor
     if x.stride(-1) != 1 or out.stride(-1) != 1:
         raise ValueError("rotary kernel needs the head dimension to be contiguous (x.stride(-1) == 1)")
     half = cos.shape[-1] // 2
-    block_h, block_d = triton.next_power_of_2(h), triton.next_power_of_2(half)
+    block_h, block_d = next_power_of_2(h), next_power_of_2(half)
     block_t = max(1, 1024 // (block_h * block_d))
-    _rotate[(triton.cdiv(t, block_t),)](x, out, x.stride(0), x.stride(1), out.stride(0), out.stride(1), t, h, cos,
+    _rotate[(cdiv(t, block_t),)](x, out, x.stride(0), x.stride(1), out.stride(0), out.stride(1), t, h, cos,
                                         sin, half, sign, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d)
 
 

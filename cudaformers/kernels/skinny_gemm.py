@@ -34,6 +34,7 @@ from ..errors import UnsupportedError
 from .activation import _act_and_grad, _code
 from .arrivals import arrival_counters
 from .gemv import _rows
+from .grid import cdiv, next_power_of_2
 from .pdl import pdl_enabled, release_dependents, wait_for_producer
 
 logger = logging.getLogger("cudaformers")
@@ -182,8 +183,7 @@ def plan(m: int, n: int, k: int, dtype: torch.dtype, sms: int, split_ok: bool = 
     """The launch shape for ``[m, k] @ [n, k].T``: enough programs to cover the SMs twice, first
     through narrower output tiles, then by splitting K (bounded so the fp32 partials stay a small
     fraction of the weight bytes)."""
-    cdiv = triton.cdiv
-    block_m = min(max(16, triton.next_power_of_2(m)), _MAX_BLOCK_M)
+    block_m = min(max(16, next_power_of_2(m)), _MAX_BLOCK_M)
     elem = 4 if dtype == torch.float32 else 2
     # 256-byte weight rows per step; half that when a 128-row x tile shares the shared memory.
     block_k = (256 if block_m <= 64 else 128) // elem
@@ -282,8 +282,8 @@ def _launch(x2, weight, bias, config, act: int = -1) -> torch.Tensor:
         raise ValueError(f"{cfg}: k_split must be a positive multiple of block_k")
 
     def grid_of(c: SkinnyConfig) -> tuple[int, int, int]:  # (feature tiles, K splits, row tiles)
-        tiles = triton.cdiv(n, c.block_n) if act < 0 else triton.cdiv(n_out, c.block_n // 2)
-        return tiles, triton.cdiv(k, c.k_split), triton.cdiv(m, c.block_m)
+        tiles = cdiv(n, c.block_n) if act < 0 else cdiv(n_out, c.block_n // 2)
+        return tiles, cdiv(k, c.k_split), cdiv(m, c.block_m)
 
     grid = grid_of(cfg)
     counters = arrival_counters(x2.device, grid[0] * grid[2]) if grid[1] > 1 else None

@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from .grid import cdiv, next_power_of_2
+
 
 ROPE_ROWS = 16  # rotary rows gathered per program; program 0 also writes the per-row metadata
 
@@ -76,9 +78,9 @@ def step_inputs(positions: torch.Tensor, block_table: torch.Tensor, block_size: 
     if b == 0:
         cu_k.zero_()
         return seqlens, slots, cu_k, None if rope_table is None else (cos, sin)
-    grid = (triton.cdiv(b, ROPE_ROWS) if rope_table is not None else 1,)
+    grid = (cdiv(b, ROPE_ROWS) if rope_table is not None else 1,)
     _step_inputs_kernel[grid](positions, block_table, seqlens, slots, cu_k, cos_table, sin_table, cos, sin, b,
-                              block_table.stride(0), d, PAGE=block_size, BLOCK_B=triton.next_power_of_2(b),
+                              block_table.stride(0), d, PAGE=block_size, BLOCK_B=next_power_of_2(b),
                               HAS_ROPE=rope_table is not None, ROWS=ROPE_ROWS,
-                              BLOCK_D=triton.next_power_of_2(d))
+                              BLOCK_D=next_power_of_2(d))
     return seqlens, slots, cu_k, None if rope_table is None else (cos, sin)

@@ -1,0 +1,18 @@
+"""Integer helpers for sizing launches on the host.
+
+``triton.cdiv`` and ``triton.next_power_of_2`` are constexpr functions in current Triton (callable
+inside kernels as well), and a host call goes through their argument unwrapping: 4-7 us each,
+against tens of nanoseconds for the arithmetic. An eager engine step sizes a few hundred launches
+with them (about 700 calls in a qwen3-0.6b mixed step, bench/profile_engine.py --host-profile), and
+such steps are bound by the host, so host code uses these instead; kernels keep ``tl.cdiv``.
+"""
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for integers, as ``triton.cdiv``."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (0 for 0), as ``triton.next_power_of_2``."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
