@@ -15,4 +15,5 @@ def cdiv(a: int, b: int) -> int:
 
 def next_power_of_2(n: int) -> int:
     """The smallest power of two >= n (0 for 0), as ``triton.next_power_of_2``."""
+    n = int(n)  # numpy or torch integers too
     return 1 << (n - 1).bit_length() if n > 0 else 0
