@@ -35,8 +35,7 @@ fi
 parts=("$@"); [ ${#parts[@]} -eq 0 ] && parts=(generate train engine kernels-tests kernels-bench decode-profile)
 # "verify": the GPU tests of code that has not yet run on a GPU, before any benchmark.
 expanded=(); for p in "${parts[@]}"; do
-  case $p in verify) expanded+=(tests:decode_fusion tests:paged_decode_fused tests:qk_norm_rope_store tests:quant
-                               tests:core) ;;
+  case $p in verify) expanded+=(tests:engine tests:attention tests:core tests:kernels tests:server) ;;
              *) expanded+=("$p") ;; esac
 done; parts=("${expanded[@]}")
 run() {  # name, seconds (LIMIT_<name> overrides), command...
