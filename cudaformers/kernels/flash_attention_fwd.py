@@ -188,6 +188,17 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"q, k, v head dims differ: {d}, {k.shape[-1]}, {v.shape[-1]}")
 
 
+def output_like(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """``out`` checked to take an attention output for ``q`` (its shape, dtype and device, last dim
+    contiguous), or a new tensor."""
+    if out is None:
+        return torch.empty_like(q)
+    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1:
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} on {out.device} must have q's shape, dtype and "
+                         f"device {tuple(q.shape)} {q.dtype} {q.device}, its last dim contiguous")
+    return out
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     # fp32 inputs would otherwise go through tf32 on the GPU; users who ask for fp32 get fp32.
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -205,11 +216,7 @@ def attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, scale:
     check_inputs(q, k, v)
     q = q if q.stride(-1) == 1 else q.contiguous()
     num_tokens, num_heads, head_dim = q.shape
-    if out is None:
-        out = torch.empty_like(q)
-    elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1:
-        raise ValueError(f"out {tuple(out.shape)} {out.dtype} on {out.device} must have q's shape, dtype and "
-                         f"device {tuple(q.shape)} {q.dtype} {q.device}, its last dim contiguous")
+    out = output_like(q, out)
     lse = torch.empty(num_heads, num_tokens, dtype=torch.float32, device=q.device)
     num_seqs = cu_seqlens_q.numel() - 1
     if num_tokens == 0 or num_seqs == 0:

@@ -38,7 +38,8 @@ import triton.language as tl
 
 from .arrivals import arrival_counters
 from .flash_attention import attention_reference
-from .flash_attention_fwd import LOG2E, _UPCAST_DOT, _dot, _dot_precision, block_d, check_inputs, interpreting
+from .flash_attention_fwd import (LOG2E, _UPCAST_DOT, _dot, _dot_precision, block_d, check_inputs, interpreting,
+                                  output_like)
 from .grid import cdiv, next_power_of_2
 from .l2_prefetch import LINE_BYTES, prefetch_l2
 from .pdl import pdl_enabled, release_dependents, wait_for_producer
@@ -402,17 +403,8 @@ def paged_decode(q, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k: int,
     """
     check_inputs(q, k_cache, v_cache)
     q = q if q.stride(-1) == 1 else q.contiguous()
-    return launch(q, _output(q, out), k_cache, v_cache, seqlens_k, block_table, max_seqlen_k, scale, window,
+    return launch(q, output_like(q, out), k_cache, v_cache, seqlens_k, block_table, max_seqlen_k, scale, window,
                   num_splits, tiling)
-
-
-def _output(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-    if out is None:
-        return torch.empty_like(q)
-    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1:
-        raise ValueError(f"out {tuple(out.shape)} {out.dtype} on {out.device} must have q's shape, dtype and "
-                         f"device {tuple(q.shape)} {q.dtype} {q.device}, its last dim contiguous")
-    return out
 
 
 def launch(q, out, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k: int, scale: float, window: int | None,
