@@ -79,7 +79,8 @@ class TritonAttention(AttentionBackend):
         # head, not a mostly-empty query tile per head), the prefill chunks through the prefill kernel,
         # each writing its rows of one output. The step is bound by the host, so the two halves'
         # metadata is cut once per step (``memo``), not in every layer.
-        lens_k, decode_table, cu_q, cu_k, prefill_table = batch.memo("triton_mixed_split", lambda: _split(batch, d))
+        lens_k, decode_table, cu_q, cu_k, prefill_table = batch.memo(("triton mixed split", d),
+                                                                     lambda: _split(batch, d))
         out = torch.empty_like(q)
         paged_decode(q[:d], k_cache, v_cache, lens_k, decode_table, batch.max_seqlen_k, scale, window, out=out[:d])
         attention_fwd(q[d:], k_cache, v_cache, cu_q, cu_k, batch.max_seqlen_q, scale, window,
