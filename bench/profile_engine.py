@@ -217,8 +217,9 @@ def kernel_table(engine, inputs, params, title):
         busy_ms = sum(e.self_device_time_total for e in kernels) / 3 / 1e3
         rows = sorted(((e.key, e.device_time_total / 3, e.count // 3) for e in averages
                        if e.device_time_total > 0), key=lambda x: -x[1])[:12]
+        # A step whose kernels are busy for all of its wall time is GPU-bound; much less, host-bound.
         print(f"\ntop kernels, {title} steps (GPU us per step, calls per step); kernels busy {busy_ms:.2f} ms "
-              f"of {wall_ms:.2f} ms wall per step (under the profiler; a step whose kernels are busy for all of its wall time is GPU-bound):")
+              f"of {wall_ms:.2f} ms wall per step (under the profiler):")
         for name, us, n in rows:
             print(f"  {us:>9.0f} {n:>5}  {name[:90]}")
         break
@@ -235,7 +236,8 @@ def main(argv=None) -> int:
     ap.add_argument("--kernels", action="store_true", help="also profile the kernels of a mixed and a decode step")
     ap.add_argument("--plain-layers", action="store_true", help="load without use_kernels")
     ap.add_argument("--host-profile", action="store_true",
-                    help="cProfile the steps taken while prompts wait (mixed / prefill steps): where their host time goes")
+                    help="cProfile the steps taken while prompts wait (mixed / prefill steps): where their host "
+                         "time goes")
     ap.add_argument("--csv", default=None, help="write one line per step to this file")
     args = ap.parse_args(argv)
 

@@ -59,8 +59,8 @@ class GenerationOutput:
                                 seq.finish_reason.value if seq.finish_reason else None)
 
 
-ENGINE_DEFAULTS = dict(max_batch_tokens=OFFLINE_MAX_BATCH_TOKENS, max_num_seqs=256, num_blocks=None, block_size=16,
-                       max_model_len=None, max_memory_percent=0.9, enable_prefix_caching=True,
+ENGINE_DEFAULTS = dict(max_batch_tokens=OFFLINE_MAX_BATCH_TOKENS, max_num_seqs=256, num_blocks=None,
+                       block_size=16, max_model_len=None, max_memory_percent=0.9, enable_prefix_caching=True,
                        use_cuda_graph=None, use_async_batching=None)
 
 

@@ -44,13 +44,14 @@ class LLM:
     """Args: ``model`` is a loaded cudaformers model or a path / Hub id (loaded with ``dtype``,
     ``device`` and ``attn_implementation``, plus ``load_kwargs``). Engine knobs: ``max_batch_tokens``
     (tokens per step; 16384 by default, see ``llm_engine.OFFLINE_MAX_BATCH_TOKENS``), ``max_num_seqs``
-    (running requests), ``num_blocks`` / ``block_size`` / ``max_memory_percent`` (KV cache), ``max_model_len``, ``enable_prefix_caching``,
-    ``use_cuda_graph`` and ``use_async_batching`` (None: on for CUDA)."""
+    (running requests), ``num_blocks`` / ``block_size`` / ``max_memory_percent`` (KV cache),
+    ``max_model_len``, ``enable_prefix_caching``, ``use_cuda_graph`` and ``use_async_batching`` (None:
+    on for CUDA)."""
 
     def __init__(self, model, tokenizer=None, *, dtype="auto", device: str | None = None,
                  attn_implementation: str | None = None, max_batch_tokens: int = OFFLINE_MAX_BATCH_TOKENS,
-                 max_num_seqs: int = 256, num_blocks: int | None = None, block_size: int = 16, max_model_len: int | None = None,
-                 max_memory_percent: float = 0.9, enable_prefix_caching: bool = True,
+                 max_num_seqs: int = 256, num_blocks: int | None = None, block_size: int = 16,
+                 max_model_len: int | None = None, max_memory_percent: float = 0.9, enable_prefix_caching: bool = True,
                  use_cuda_graph: bool | None = None, use_async_batching: bool | None = None, **load_kwargs):
         if isinstance(model, (str, os.PathLike)):
             from ..models.auto import AutoModelForCausalLM

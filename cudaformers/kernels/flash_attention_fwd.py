@@ -19,6 +19,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+
 from .grid import cdiv, next_power_of_2
 
 

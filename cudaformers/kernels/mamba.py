@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
 from .grid import cdiv, next_power_of_2
 
 

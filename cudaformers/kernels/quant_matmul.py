@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
 from .grid import cdiv
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from .grid import cdiv, next_power_of_2
 
 
