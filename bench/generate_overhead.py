@@ -44,6 +44,7 @@ def main() -> int:
     ap.add_argument("--shape", default="qwen3-0.6b")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--phases", action="store_true", help="only split one-token calls into generate()'s phases")
     args = ap.parse_args()
 
     from cudaformers import AutoModelForCausalLM
@@ -56,6 +57,8 @@ def main() -> int:
     model.generate(ids, max_new_tokens=256, min_new_tokens=256, do_sample=False, eos_token_id=None)  # warm up
     print(f"{env['gpu']}, torch {env['torch']}, commit {env['commit']}: {args.shape}, batch {args.batch}, "
           f"{PROMPT}-token prompt")
+    if args.phases:
+        return phases(model, ids, args.top)
     times = {n: call_ms(model, ids, n) for n in LENGTHS}
     for n, ms in times.items():
         print(f"  {n:>4} new tokens: {ms:8.2f} ms per call ({args.batch * n / ms * 1e3:8.1f} tok/s)")
@@ -81,6 +84,55 @@ def main() -> int:
                   reverse=True)[: args.top]
     for e in host:
         print(f"  {e.cpu_time_total / 1e3:9.3f} ms  {e.count:5}x  {e.key[:80]}")
+    return 0
+
+
+def phases(model, ids, top: int, reps: int = 20) -> int:
+    """One-token calls split into generate()'s phases: each phase's wall time with the GPU synchronised
+    before and after it (host + GPU), then a cProfile of unsynchronised calls (host alone)."""
+    import cProfile
+    import pstats
+    from collections import defaultdict
+
+    from cudaformers.generation import decode, generate, loop, prefill
+
+    spent = defaultdict(list)
+
+    def timer(name, fn):
+        def wrapped(*a, **k):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            out = fn(*a, **k)
+            torch.cuda.synchronize()
+            spent[name].append((time.perf_counter() - t) * 1e3)
+            return out
+        return wrapped
+
+    patches = [(generate, "resolve_config"), (generate, "prepare_prompts"), (generate, "get_runner"),
+               (generate, "sampling_state"), (generate, "run_loop"), (decode.DecodeRunner, "loop"),
+               (prefill.PromptPass, "__call__"), (loop.LoopState, "start")]
+    saved = [(obj, name, getattr(obj, name)) for obj, name in patches]
+    kw = dict(max_new_tokens=1, min_new_tokens=1, do_sample=False, eos_token_id=None)
+    try:
+        for obj, name, fn in saved:
+            setattr(obj, name, timer(name, fn))
+        for _ in range(reps):
+            call_ms(model, ids, 1, reps=1)
+    finally:
+        for obj, name, fn in saved:
+            setattr(obj, name, fn)
+    whole = call_ms(model, ids, 1, reps=reps)
+    print(f"one-token call {whole:.2f} ms unsynchronised inside (median of {reps}); phases, synchronised:")
+    for name, ms in spent.items():
+        print(f"  {statistics.median(ms):8.3f} ms  {name}")
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(reps):
+        model.generate(ids, **kw)
+    torch.cuda.synchronize()
+    profiler.disable()
+    print(f"\nhost cProfile of {reps} one-token calls (cumulative):")
+    pstats.Stats(profiler).sort_stats("cumulative").print_stats(top)
     return 0
 
 

@@ -107,6 +107,8 @@ for part in "${parts[@]}"; do
     decode-profile-int4) run decode-profile-int4 120 python3 bench/profile_decode.py --shape qwen3-8b --kernels \
                            --quant int4 ;;
     generate-overhead) run generate-overhead 90 python3 bench/generate_overhead.py ;;
+    generate-phases) run generate-phases 60 python3 bench/generate_overhead.py --phases --top 40
+                     run generate-phases-32 60 python3 bench/generate_overhead.py --phases --top 40 --batch 32 ;;
     gemv-tiles) run gemv-tiles 420 python3 bench/gemv_tiles.py --json "$OUT/results.jsonl" ;;
     multi) n=$(nvidia-smi -L | wc -l)  # every GPU of the machine (bench/distributed.py); on one GPU it checks the scripts
            # How the GPUs are linked, and which transport NCCL picks (run 17's 2-GPU DDP scaled at 56%)
