@@ -10,6 +10,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..errors import UnsupportedError
+from ..models import structure
 
 logger = logging.getLogger("cudaformers")
 
@@ -41,6 +42,7 @@ def checkpoint_blocks(model: nn.Module) -> int:
         inner = block.forward
         block.forward = functools.partial(checkpoint, inner, use_reentrant=False)
         block._cf_checkpointed = True
+    structure.changed()
     return len(blocks)
 
 

@@ -15,6 +15,7 @@ from ..attention.kv_cache import KVCache
 from ..attention.metadata import AttentionBatch
 from ..device import triton_runs_on
 from ..layers.rotary import RotaryEmbedding
+from ..models import structure
 from .loop import LoopKind, LoopState, advance
 from .prefill import PromptPass
 
@@ -155,10 +156,23 @@ class DecodeRunner:
         return state, self.loop_graphs[kind].replay
 
 
+def graph_plan(model) -> tuple[bool, list[str]]:
+    """(whether the model sits on one GPU, what keeps it out of CUDA graphs), kept until its structure
+    changes (``models/structure.py``), which also drops the runners and graphs made before: walking
+    the module tree costs ~1.5 ms of host time a call, and a stale graph would replay old modules."""
+    stamp = structure.epoch()
+    plan = model.__dict__.get("_graph_plan")
+    if plan is None or plan[0] != stamp:
+        on_one_gpu = model.device.type == "cuda" and len({p.device for p in model.parameters()}) == 1
+        plan = (stamp, on_one_gpu, model.graph_blockers())
+        model.__dict__["_graph_plan"] = plan
+        model.__dict__.pop("_decode_runners", None)
+    return plan[1], plan[2]
+
+
 def get_runner(model, rows: int, total_len: int, use_cuda_graph: bool | None) -> DecodeRunner:
     """A cached runner big enough for this call; graphs are captured once per (rows, capacity)."""
-    on_one_gpu = model.device.type == "cuda" and len({p.device for p in model.parameters()}) == 1
-    blockers = model.graph_blockers()
+    on_one_gpu, blockers = graph_plan(model)
     if use_cuda_graph is None:
         use_cuda_graph = on_one_gpu and not blockers
         reason = "on" if use_cuda_graph else ("off (CPU or several devices)" if not on_one_gpu else

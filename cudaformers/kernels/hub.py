@@ -356,6 +356,9 @@ def _module_device_type(module, fallback: str) -> str:
 
 def _apply(model, config: KernelConfig | None, mode: str) -> dict:
     """Binds the resolved kernels for ``mode``; returns {layer type: (kernel or "", reason, count)}."""
+    from ..models import structure
+
+    structure.changed()  # captured graphs replay the forwards bound before
     model_device = "cuda" if any(p.device.type == "cuda" for p in model.parameters()) else "cpu"
     chosen = {}
     for module in model.modules():

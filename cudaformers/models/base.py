@@ -12,6 +12,7 @@ from ..attention import registry as attention_registry
 from ..attention.metadata import AttentionBatch
 from ..layers.attention import Attention
 from ..layers.loss import IGNORE_INDEX, cross_entropy_from_logits, shift_labels_flat
+from . import structure
 from .outputs import CausalLMOutput
 
 logger = logging.getLogger("cudaformers")
@@ -43,6 +44,7 @@ class PreTrainedModel(nn.Module):
             relink_projections(self, released, fn if moved else None)
         # Decode runners hold KV caches and CUDA graphs of the tensors as they were: made again on demand.
         self.__dict__.pop("_decode_runners", None)
+        self.__dict__.pop("_graph_plan", None)  # where the parameters sit decides whether graphs are used
         follow_device(self)
         return out
 
@@ -96,6 +98,7 @@ class PreTrainedModel(nn.Module):
             sliding_window=windows, training=self.training)
         for layer in layers:
             layer.backend = backend
+        structure.changed()  # captured graphs replay the old backend
         self.config._attn_implementation = name
         chosen = backend.name if backend.name == name else f"{backend.name} (for {name!r})"
         self._choices["attention"] = chosen

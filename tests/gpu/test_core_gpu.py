@@ -59,6 +59,24 @@ def test_graph_loop_reused_across_calls_equals_eager(attn):
     assert unseeded.shape == (2, 25) and bool((unseeded[:, 9:] < model.config.vocab_size).all())
 
 
+def test_graphs_follow_a_replaced_module():
+    """A module swapped in after a captured call is what the next (captured again) call runs."""
+    model = AutoModelForCausalLM.from_pretrained(tiny.checkpoint("qwen3"), device_map="cuda", attn_implementation="triton")
+    ids = torch.randint(3, 211, (2, 9), device="cuda")
+    kw = dict(max_new_tokens=12, do_sample=False, eos_token_id=None)
+    model.generate(ids, **kw)
+    old = model.model.layers[-1].mlp.down_proj
+    new = torch.nn.Linear(old.in_features, old.out_features, bias=False, device="cuda", dtype=old.weight.dtype)
+    with torch.no_grad():
+        new.weight.copy_(old.weight * -4.0)
+    model.model.layers[-1].mlp.down_proj = new
+    graph = model.generate(ids, **kw)
+    assert "on" in model.explain()
+    assert torch.equal(graph, model.generate(ids, use_cuda_graph=False, **kw))
+    model.set_attn_implementation("sdpa")
+    assert torch.equal(model.generate(ids, **kw), model.generate(ids, use_cuda_graph=False, **kw))
+
+
 def test_fp32_greedy_equals_transformers_on_gpu():
     folder = tiny.checkpoint("llama")
     ours = AutoModelForCausalLM.from_pretrained(folder, device_map="cuda")

@@ -1,0 +1,72 @@
+"""generate() keeps its decode runners (KV cache, CUDA graphs) across calls, and drops them when the
+model they were made for changes: a graph must not replay modules, kernels or a backend the model
+no longer has."""
+
+import torch
+from torch import nn
+
+import tiny
+from cudaformers import AutoModelForCausalLM, LoraConfig, get_peft_model
+from cudaformers.models import structure
+
+KW = dict(max_new_tokens=3, do_sample=False)
+
+
+def _runner(model):
+    runners = model.__dict__.get("_decode_runners") or {}
+    assert len(runners) == 1
+    return next(iter(runners.values()))
+
+
+def _model():
+    return AutoModelForCausalLM.from_pretrained(tiny.checkpoint("qwen3")).eval()
+
+
+def test_repeated_calls_reuse_the_runner_and_leave_the_structure_count_alone():
+    model, ids = _model(), torch.randint(3, 211, (1, 5))
+    first = model.generate(ids, **KW)
+    runner, stamp = _runner(model), structure.epoch()
+    assert torch.equal(model.generate(ids, **KW), first)
+    assert _runner(model) is runner and structure.epoch() == stamp
+
+
+def test_a_new_attention_backend_drops_the_runner():
+    model, ids = _model(), torch.randint(3, 211, (1, 5))
+    want = model.generate(ids, **KW)
+    runner = _runner(model)
+    model.set_attn_implementation("eager")
+    assert torch.equal(model.generate(ids, **KW), want)
+    assert _runner(model) is not runner
+
+
+def test_a_replaced_module_is_what_the_next_call_runs():
+    model, ids = _model(), torch.randint(3, 211, (2, 6))
+    model.generate(ids, **KW)
+    runner = _runner(model)
+    layer = model.model.layers[-1].mlp
+    old = layer.down_proj
+    new = nn.Linear(old.in_features, old.out_features, bias=False, dtype=old.weight.dtype)
+    with torch.no_grad():
+        new.weight.copy_(old.weight * 3.0)
+    layer.down_proj = new
+    got = model.generate(ids, **KW)
+    assert _runner(model) is not runner
+    fresh = _model()
+    fresh.model.layers[-1].mlp.down_proj = new
+    assert torch.equal(got, fresh.generate(ids, **KW))
+
+
+def test_adapters_and_kernels_drop_the_runner():
+    model, ids = _model(), torch.randint(3, 211, (1, 5))
+    model.generate(ids, **KW)
+    runner = _runner(model)
+    peft = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))
+    peft.eval()
+    model.generate(ids, **KW)
+    with_adapters = _runner(model)
+    assert with_adapters is not runner
+    from cudaformers.kernels.hub import kernelize
+
+    kernelize(model, use_kernels=False)
+    model.generate(ids, **KW)
+    assert _runner(model) is not with_adapters
