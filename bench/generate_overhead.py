@@ -125,6 +125,16 @@ def phases(model, ids, top: int, reps: int = 20) -> int:
     print(f"one-token call {whole:.2f} ms unsynchronised inside (median of {reps}); phases, synchronised:")
     for name, ms in spent.items():
         print(f"  {statistics.median(ms):8.3f} ms  {name}")
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        model.generate(ids, **kw)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    busy = sum(e.self_device_time_total for e in kernels)
+    print(f"\nGPU kernels of one one-token call: busy {busy / 1e3:.3f} ms")
+    for e in sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)[:12]:
+        print(f"  {e.self_device_time_total / 1e3:8.3f} ms {e.count:5}x  {e.key[:90]}")
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(reps):
