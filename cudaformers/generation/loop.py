@@ -5,7 +5,9 @@ finished rows, the output column, stop flags) is ``advance``: fixed-shape tensor
 ``LoopState`` with no host reads (for plain greedy decoding, two Triton launches). On a GPU the
 model step and ``advance`` are captured together (``DecodeRunner.loop_graph``), so a step costs the
 host one graph replay and the GPU no gaps between small launches. The host reads ``finished`` every
-``SYNC_EVERY`` steps to stop early, or every step when a streamer or stop strings need the tokens.
+``SYNC_EVERY`` steps to stop early (``StopCheck``: on a GPU, the flag copied at the check before, so
+the read never drains the queue of steps), or every step when a streamer or stop strings need the
+tokens.
 """
 
 from __future__ import annotations
@@ -18,7 +20,38 @@ import torch
 from ..device import triton_runs_on
 from .logits import SamplingTensors, sample
 
-SYNC_EVERY = 16
+SYNC_EVERY = 8
+
+
+class StopCheck:
+    """Whether every row has finished, read on the host without waiting for the GPU to go idle.
+
+    On a GPU each ``__call__`` queues a copy of ``finished.all()`` into pinned host memory and
+    answers from the copy queued at the call before, which the GPU passed about ``SYNC_EVERY`` steps
+    ago: the host waits for that point while later steps are still queued, so the GPU never idles
+    for the read (a plain ``bool(finished.all())`` drains the queue and leaves the GPU waiting for
+    the next launch). A loop thus stops at most ``2 * SYNC_EVERY - 1`` steps after its last row
+    finished; the extra columns are trimmed (``LoopState.result``). On the CPU it reads at once."""
+
+    def __init__(self, finished: torch.Tensor):
+        self.finished = finished
+        self.lagged = finished.is_cuda
+        if self.lagged:
+            self.flags = torch.zeros(2, dtype=torch.bool, pin_memory=True)
+            self.events = [torch.cuda.Event(), torch.cuda.Event()]
+            self.calls = 0
+
+    def __call__(self) -> bool:
+        if not self.lagged:
+            return bool(self.finished.all())
+        slot = self.calls % 2
+        self.flags[slot : slot + 1].copy_(self.finished.all().view(1), non_blocking=True)
+        self.events[slot].record()
+        self.calls += 1
+        if self.calls == 1:
+            return False
+        self.events[1 - slot].synchronize()
+        return bool(self.flags[1 - slot])
 
 
 @dataclass(frozen=True)
@@ -141,8 +174,9 @@ def run_loop(first_logits: torch.Tensor, step: Callable[[], None], state: LoopSt
     steps = 1
     if on_token is not None:
         on_token(0)
+    all_finished = StopCheck(state.finished)
     while steps < max_new:
-        if steps % SYNC_EVERY == 0 and bool(state.finished.all()):
+        if steps % SYNC_EVERY == 0 and all_finished():
             break
         step()
         if on_token is not None:
