@@ -95,6 +95,10 @@ def run_ours(folder, batch, variant, check_eager) -> dict:
     from cudaformers.kernels import hub
 
     hub.GATED_SKINNY = "nogated" not in flags  # nogated: gate/up, then a separate act-and-mul launch
+    from cudaformers.generation import loop
+
+    if "drainstop" in flags:  # the stop check before StopCheck: every 16 steps, draining the queue
+        loop.LAGGED_STOP_CHECK, loop.SYNC_EVERY = False, 16
     try:
         model.generate(ids, **kw)
         runs = sorted((timed(lambda: model.generate(ids, **kw)) for _ in range(REPEATS)), key=lambda r: r[1])
@@ -106,6 +110,7 @@ def run_ours(folder, batch, variant, check_eager) -> dict:
         fused_norm_decode.FUSE_ATTENTION_WITH_PDL = False
         skinny_gemm.WIDE_PROGRAMS_PER_SM = 1 / 3
         hub.GATED_SKINNY = True
+        loop.LAGGED_STOP_CHECK, loop.SYNC_EVERY = True, 8
         paged_decode.BUSY_SPLIT_ABOVE, paged_decode.BUSY_SPLIT_TILES, paged_decode.BUSY_STAGES = 2048, 3, 4
         paged_decode.default_tiling.cache_clear()
     weight_bytes = sum(p.numel() * p.element_size() for p in set(model.parameters()))

@@ -21,6 +21,7 @@ from ..device import triton_runs_on
 from .logits import SamplingTensors, sample
 
 SYNC_EVERY = 8
+LAGGED_STOP_CHECK = True  # off: read the flag at once, draining the queue (bench/generate.py "+drainstop")
 
 
 class StopCheck:
@@ -35,7 +36,7 @@ class StopCheck:
 
     def __init__(self, finished: torch.Tensor):
         self.finished = finished
-        self.lagged = finished.is_cuda
+        self.lagged = finished.is_cuda and LAGGED_STOP_CHECK
         if self.lagged:
             self.flags = torch.zeros(2, dtype=torch.bool, pin_memory=True)
             self.events = [torch.cuda.Event(), torch.cuda.Event()]
