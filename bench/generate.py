@@ -99,6 +99,8 @@ def run_ours(folder, batch, variant, check_eager) -> dict:
 
     if "drainstop" in flags:  # the stop check before StopCheck: every 16 steps, draining the queue
         loop.LAGGED_STOP_CHECK, loop.SYNC_EVERY = False, 16
+    if "lag16" in flags:  # the non-draining check every 16 steps
+        loop.SYNC_EVERY = 16
     try:
         model.generate(ids, **kw)
         runs = sorted((timed(lambda: model.generate(ids, **kw)) for _ in range(REPEATS)), key=lambda r: r[1])

@@ -124,7 +124,7 @@ for part in "${parts[@]}"; do
              python3 bench/distributed.py device-map --shape qwen3-0.6b --json "$OUT/multi.jsonl"
            python3 bench/distributed.py report --json "$OUT/multi.jsonl" ;;
     stopcheck-ab) run stopcheck-ab 240 python3 bench/generate.py --skip-hf --workloads W1,W3 --variants \
-                    triton+kernels,triton+kernels+drainstop,triton+kernels,triton+kernels+drainstop --json "$OUT/results.jsonl" ;;
+                    triton+kernels,triton+kernels+drainstop,triton+kernels+lag16,triton+kernels,triton+kernels+drainstop,triton+kernels+lag16 --json "$OUT/results.jsonl" ;;
     inputs-ab) run inputs-ab 150 python3 bench/generate.py --skip-hf --workloads W1,W3 --check-eager \
                  --variants triton+kernels,triton+kernels+torchinputs,triton+kernels --json "$OUT/results.jsonl" ;;
     l2-upside) run l2-upside 60 python3 bench/l2_upside.py ;;
