@@ -90,7 +90,7 @@ def _imma_kernel(x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, part_ptr, arrived_ptr, N, 
         amax = tl.maximum(amax, tl.abs(tl.load(x_ptr + k0 + kk, mask=k0 + kk < K, other=0).to(tl.float32)))
     top = tl.max(amax, 0)
     inv = 127.0 / tl.maximum(top, 1e-30)  # all-zero x: planes of zeros
-    acc = tl.zeros([BLOCK_N, 16], tl.int32)
+    acc = tl.zeros([16, BLOCK_N], tl.int32)  # [planes, rows]: the planes are the dot's 16-row side
     for b0 in range(start, end, GROUPS):
         for g in tl.static_range(GROUPS):
             blk = b0 + g
@@ -98,10 +98,10 @@ def _imma_kernel(x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, part_ptr, arrived_ptr, N, 
                 w = tl.load(q_rows + blk * 64, mask=row_ok[:, None], other=0)
             else:  # a step may overhang the split's last block: nothing loaded, nothing added
                 w = tl.load(q_rows + blk * 64, mask=row_ok[:, None] & (rows * 0 + blk < end)[:, None], other=0)
-            acc = tl.dot(w, _planes(x_ptr, blk, inv, K, EVEN_K), acc, out_dtype=tl.int32)
+            acc = tl.dot(tl.trans(_planes(x_ptr, blk, inv, K, EVEN_K)), tl.trans(w), acc, out_dtype=tl.int32)
     one = tl.full([1], 1.0, tl.float32)
     weights = tl.reshape(_assemble(one, one / STEP, one / (STEP * STEP), one / (STEP * STEP * STEP)), [16])
-    out = tl.sum(acc.to(tl.float32) * weights[None, :], 1) * (top / 127.0)
+    out = tl.sum(acc.to(tl.float32) * weights[:, None], 0) * (top / 127.0)
     if SPLIT > 1:
         tl.store(part_ptr + tl.program_id(1) * N + rows, out, mask=row_ok)
         tl.debug_barrier()  # the partial lands before the arrival is counted (released at GPU scope)
@@ -124,15 +124,16 @@ def supports(x: torch.Tensor, w: PackedWeight) -> bool:
 
 
 def default_tiles(n: int, n_blocks: int, device: torch.device) -> tuple[int, int, int, int, int]:
-    """(BLOCK_N, GROUPS, SPLIT, num_warps, num_stages): 64-row tiles two blocks (128 bytes of each
+    """(BLOCK_N, GROUPS, SPLIT, num_warps, num_stages): 256-row tiles two blocks (128 bytes of each
     row) a step, the blocks split over programs until there are two per SM, each split keeping at
-    least 8 blocks."""
-    block_n, groups = 64, 2
+    least 4 blocks. Wide tiles share each block's planes among many rows: compiled for sm_90, a step
+    costs ~400 instructions a thread at 256 rows (1.5 a weight), ~280 at 64 rows (4.4 a weight)."""
+    block_n, groups = 256, 2
     tiles = cdiv(n, block_n)
     split = 1
-    while tiles * split < 2 * sm_count(device) and n_blocks // (2 * split) >= 8:
+    while tiles * split < 2 * sm_count(device) and n_blocks // (2 * split) >= 4:
         split *= 2
-    return block_n, groups, split, 4, 4
+    return block_n, groups, split, 4, 3
 
 
 def quant_imma(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None,
