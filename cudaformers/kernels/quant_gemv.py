@@ -21,6 +21,13 @@ go through their 16-entry table, which stays in L1.
 On Hopper the launch uses programmatic dependent launch (``pdl.py``): the first tile of weights and
 scales is requested before waiting for the previous kernel, and x after.
 
+Tried and measured slower (bench/RESULTS.md run 19): int8 weights fed unconverted to the integer
+tensor cores (``int8 x int8 -> int32`` mma), with x split per program into four int8 planes of its
+residues (exact for bf16 x) as three columns of the dot's 16-wide operand. The weights stream
+through shared memory without a single conversion, but moving each block's planes into the dot's
+layout costs ~150 instructions and 10 barriers a thread per 64-code block: at 256-row tiles 1.5
+instructions a weight in all, and 12-27% slower than this GEMV on every qwen3-8b layer.
+
 fp8 (e4m3) weights with per-row scales get a plain GEMV of their own (``fp8_gemv``): weight-only, x
 stays in its dtype (no per-token activation quantization at batch 1, where only bytes count).
 """

@@ -42,9 +42,6 @@ INT8_BLOCK = 64  # int8 packing block (elements): 16 words of 4 codes
 # Up to 16 rows of x, int4 (groups >= 128) and int8 run the tensor-core kernel of quant_mma.py; False
 # keeps them on the FMA GEMV / tl.dot kernels (benchmarks compare the two).
 USE_MMA = True
-# One row of x against int8 weights on the integer tensor cores (quant_imma.py); off until measured
-# against the FMA GEMV on a GPU.
-USE_IMMA = False
 
 
 @dataclass
@@ -277,11 +274,6 @@ def quant_matmul_triton(x: torch.Tensor, w: PackedWeight, bias=None) -> torch.Te
     check_packed(w)
     if x.stride(-1) != 1:
         x = x.contiguous()
-    if USE_IMMA:
-        from . import quant_imma
-
-        if quant_imma.supports(x, w):
-            return quant_imma.quant_imma(x, w, bias)
     if USE_MMA:
         from . import quant_mma
 
