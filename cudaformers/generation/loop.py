@@ -47,7 +47,8 @@ class StopCheck:
             return bool(self.finished.all())
         slot = self.calls % 2
         self.flags[slot : slot + 1].copy_(self.finished.all().view(1), non_blocking=True)
-        self.events[slot].record()
+        # on the copy's stream: the model may sit on another GPU than the current one
+        self.events[slot].record(torch.cuda.current_stream(self.finished.device))
         self.calls += 1
         if self.calls == 1:
             return False
