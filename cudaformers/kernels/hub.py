@@ -358,7 +358,6 @@ def _apply(model, config: KernelConfig | None, mode: str) -> dict:
     """Binds the resolved kernels for ``mode``; returns {layer type: (kernel or "", reason, count)}."""
     from ..models import structure
 
-    structure.changed()  # captured graphs replay the forwards bound before
     model_device = "cuda" if any(p.device.type == "cuda" for p in model.parameters()) else "cpu"
     chosen = {}
     for module in model.modules():
@@ -371,9 +370,11 @@ def _apply(model, config: KernelConfig | None, mode: str) -> dict:
 
                 module.fused_loss = fused_linear_cross_entropy if name else None
             else:
-                module.__dict__.pop("forward", None)
+                old = module.__dict__.pop("forward", None)
                 if name:
                     module.forward = types.MethodType(lt.kernels[name], module)
+                if getattr(old, "__func__", old) is not (lt.kernels[name] if name else None):
+                    structure.changed()  # captured graphs replay the forward bound before
             kernel, reason, count = chosen.get(lt.name, (name, why, 0))
             chosen[lt.name] = (kernel, reason, count + 1)
     return chosen

@@ -96,9 +96,10 @@ class PreTrainedModel(nn.Module):
         backend = attention_registry.get_backend(
             name, device=self.device, dtype=self.dtype, head_dim=self.config.head_dim,
             sliding_window=windows, training=self.training)
+        if any(getattr(layer, "backend", None) is not backend for layer in layers):
+            structure.changed()  # captured graphs replay the old backend
         for layer in layers:
             layer.backend = backend
-        structure.changed()  # captured graphs replay the old backend
         self.config._attn_implementation = name
         chosen = backend.name if backend.name == name else f"{backend.name} (for {name!r})"
         self._choices["attention"] = chosen
