@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 import tiny
-from cudaformers import AutoModelForCausalLM, LoraConfig, get_peft_model
+from cudaformers import AutoModelForCausalLM, KernelConfig, LoraConfig, get_peft_model
+from cudaformers.kernels.hub import kernelize
 from cudaformers.models import structure
 
 KW = dict(max_new_tokens=3, do_sample=False)
@@ -65,9 +66,6 @@ def test_adapters_and_kernels_drop_the_runner():
     model.generate(ids, **KW)
     with_adapters = _runner(model)
     assert with_adapters is not runner
-    from cudaformers import KernelConfig
-    from cudaformers.kernels.hub import kernelize
-
     kernelize(model, KernelConfig(kernel_mapping={"RMSNorm": "cudaformers:rms_norm"}))  # the interpreter runs it
     model.generate(ids, **KW)
     assert _runner(model) is not with_adapters
@@ -76,8 +74,6 @@ def test_adapters_and_kernels_drop_the_runner():
 def test_what_changes_nothing_keeps_the_runner():
     """The same backend chosen again, a train/eval round trip and kernels bound as before keep the
     runner (a Trainer that evaluates with generate() would otherwise capture again every time)."""
-    from cudaformers.kernels.hub import kernelize
-
     model, ids = _model(), torch.randint(3, 211, (1, 5))
     kernelize(model, use_kernels=False)
     model.generate(ids, **KW)

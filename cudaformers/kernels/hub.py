@@ -371,9 +371,10 @@ def _apply(model, config: KernelConfig | None, mode: str) -> dict:
                 module.fused_loss = fused_linear_cross_entropy if name else None
             else:
                 old = module.__dict__.pop("forward", None)
-                if name:
-                    module.forward = types.MethodType(lt.kernels[name], module)
-                if getattr(old, "__func__", old) is not (lt.kernels[name] if name else None):
+                kernel = lt.kernels[name] if name else None
+                if kernel is not None:
+                    module.forward = types.MethodType(kernel, module)
+                if getattr(old, "__func__", old) is not kernel:
                     structure.changed()  # captured graphs replay the forward bound before
             kernel, reason, count = chosen.get(lt.name, (name, why, 0))
             chosen[lt.name] = (kernel, reason, count + 1)
