@@ -95,6 +95,14 @@ def run_ours(folder, batch, variant, check_eager) -> dict:
     from cudaformers.kernels import hub
 
     hub.GATED_SKINNY = "nogated" not in flags  # nogated: gate/up, then a separate act-and-mul launch
+    # wprefetch / nowprefetch: the skinny GEMM's L2 prefetch of its weights on / off; stN: pipelines up
+    # to N stages deep (and the shared memory for them)
+    skinny_defaults = {k: getattr(skinny_gemm, k) for k in ("PREFETCH_WEIGHTS", "MAX_STAGES", "_SMEM_PER_PROGRAM")}
+    if "wprefetch" in flags or "nowprefetch" in flags:
+        skinny_gemm.PREFETCH_WEIGHTS = "wprefetch" in flags
+    for f in flags:
+        if f.startswith("st") and f[2:].isdigit():
+            skinny_gemm.MAX_STAGES, skinny_gemm._SMEM_PER_PROGRAM = int(f[2:]), 200 << 10
     from cudaformers.generation import loop
 
     if "drainstop" in flags:  # the stop check before StopCheck: every 16 steps, draining the queue
@@ -112,6 +120,8 @@ def run_ours(folder, batch, variant, check_eager) -> dict:
         fused_norm_decode.FUSE_ATTENTION_WITH_PDL = False
         skinny_gemm.WIDE_PROGRAMS_PER_SM = 1 / 3
         hub.GATED_SKINNY = True
+        for key, value in skinny_defaults.items():
+            setattr(skinny_gemm, key, value)
         loop.LAGGED_STOP_CHECK, loop.SYNC_EVERY = True, 8
         paged_decode.BUSY_SPLIT_ABOVE, paged_decode.BUSY_SPLIT_TILES, paged_decode.BUSY_STAGES = 2048, 3, 4
         paged_decode.default_tiling.cache_clear()

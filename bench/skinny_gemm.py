@@ -2,6 +2,7 @@
 
     python bench/skinny_gemm.py                 # heuristic launch plan, ~30 s
     python bench/skinny_gemm.py --sweep --m 32  # also time a grid of plans per shape (minutes)
+    python bench/skinny_gemm.py --knobs --m 32 --models 0.6b  # the heuristic plan under each KNOBS setting
 
 Shapes are the four projections of qwen3-0.6b and qwen3-8b (q/k/v and gate/up packed) and the
 0.6b vocabulary projection, bf16, no bias. Each op is captured 50 times into one CUDA graph and the graph replayed; the 50 calls cycle
@@ -38,6 +39,51 @@ SHAPES = [  # model, projection, N, K
     ("0.6b", "lm_head", 151936, 1024),  # once per step, not per layer: left out of the layer sums
 ]
 LAYER = ("qkv", "o", "gate_up", "down")
+
+
+# name -> skinny_gemm module settings: the weight prefetch, deeper pipelines (the shared memory a
+# program may take raised to match), and more programs per SM at 17-32 rows.
+KNOBS = {
+    "default": {},
+    "prefetch": {"PREFETCH_WEIGHTS": True},
+    "no prefetch": {"PREFETCH_WEIGHTS": False},
+    "stages<=8": {"MAX_STAGES": 8, "_SMEM_PER_PROGRAM": 200 << 10},
+    "prefetch, stages<=8": {"PREFETCH_WEIGHTS": True, "MAX_STAGES": 8, "_SMEM_PER_PROGRAM": 200 << 10},
+    "prefetch, 1/2 per SM": {"PREFETCH_WEIGHTS": True, "WIDE_PROGRAMS_PER_SM": 0.5},
+    "prefetch, 1 per SM": {"PREFETCH_WEIGHTS": True, "WIDE_PROGRAMS_PER_SM": 1.0},
+}
+
+
+def knob_ab(models: list[str], ms: list[int]) -> None:
+    """The heuristic plan timed under each KNOBS setting, per shape and summed per layer."""
+    from cudaformers.kernels import skinny_gemm
+
+    saved = {k: getattr(skinny_gemm, k) for v in KNOBS.values() for k in v}
+    rows, layer = [], {}
+    for model, name, n, k in SHAPES:
+        if model not in models:
+            continue
+        ws = weight_copies(n, k)
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=DTYPE)
+            cells = []
+            for label, knobs in KNOBS.items():
+                for key, value in {**saved, **knobs}.items():
+                    setattr(skinny_gemm, key, value)
+                us = graph_us([lambda w=w: skinny_linear(x, w) for w in ws])
+                cells.append(f"{us:.2f}")
+                if name in LAYER:
+                    layer[model, m, label] = layer.get((model, m, label), 0.0) + us
+            rows.append((f"{model} {name}", str(m), *cells))
+        del ws
+        torch.cuda.empty_cache()
+    for key, value in saved.items():
+        setattr(skinny_gemm, key, value)
+    print("
+us per call, weights from HBM, by setting")
+    table(("shape", "M", *KNOBS), rows)
+    table(("layer", "M", *KNOBS), [(model, str(m), *(f"{layer[model, m, lb]:.2f}" for lb in KNOBS))
+                                   for model in models for m in ms])
 
 
 def weight_copies(n: int, k: int) -> list[torch.Tensor]:
@@ -90,11 +136,15 @@ def main() -> None:
     parser.add_argument("--m", type=int, nargs="+", default=[8, 16, 32, 64, 128], help="rows (tokens) per call")
     parser.add_argument("--sweep", action="store_true", help="also time a grid of launch plans per shape")
     parser.add_argument("--models", default="0.6b,8b", help="which models' shapes to time")
+    parser.add_argument("--knobs", action="store_true", help="only time the heuristic plan under each KNOBS setting")
     parser.add_argument("--compile-workers", type=int, default=min(16, multiprocessing.cpu_count()),
                         help="processes that compile the sweep's kernels before it is timed")
     args = parser.parse_args()
     models = args.models.split(",")
     t0 = time.perf_counter()
+    if args.knobs:
+        knob_ab(models, args.m)
+        return
     if args.sweep and args.compile_workers > 1:
         precompile([(m, n, k) for model, _, n, k in SHAPES if model in models for m in args.m], args.compile_workers)
         print(f"compiled the sweep's kernels in {time.perf_counter() - t0:.0f} s")
