@@ -48,9 +48,10 @@ KNOBS = {
     "prefetch": {"PREFETCH_WEIGHTS": True},
     "no prefetch": {"PREFETCH_WEIGHTS": False},
     "stages<=8": {"MAX_STAGES": 8, "_SMEM_PER_PROGRAM": 200 << 10},
-    "prefetch, stages<=8": {"PREFETCH_WEIGHTS": True, "MAX_STAGES": 8, "_SMEM_PER_PROGRAM": 200 << 10},
-    "prefetch, 1/2 per SM": {"PREFETCH_WEIGHTS": True, "WIDE_PROGRAMS_PER_SM": 0.5},
-    "prefetch, 1 per SM": {"PREFETCH_WEIGHTS": True, "WIDE_PROGRAMS_PER_SM": 1.0},
+    "stages<=5": {"MAX_STAGES": 5, "_SMEM_PER_PROGRAM": 200 << 10},
+    "stages<=6": {"MAX_STAGES": 6, "_SMEM_PER_PROGRAM": 200 << 10},
+    "stages<=8, 1/2 per SM": {"MAX_STAGES": 8, "_SMEM_PER_PROGRAM": 200 << 10, "WIDE_PROGRAMS_PER_SM": 0.5},
+    "stages<=8, 1/4 per SM": {"MAX_STAGES": 8, "_SMEM_PER_PROGRAM": 200 << 10, "WIDE_PROGRAMS_PER_SM": 0.25},
 }
 
 
@@ -79,8 +80,7 @@ def knob_ab(models: list[str], ms: list[int]) -> None:
         torch.cuda.empty_cache()
     for key, value in saved.items():
         setattr(skinny_gemm, key, value)
-    print("
-us per call, weights from HBM, by setting")
+    print("\nus per call, weights from HBM, by setting")
     table(("shape", "M", *KNOBS), rows)
     table(("layer", "M", *KNOBS), [(model, str(m), *(f"{layer[model, m, lb]:.2f}" for lb in KNOBS))
                                    for model in models for m in ms])
