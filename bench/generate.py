@@ -95,14 +95,11 @@ def run_ours(folder, batch, variant, check_eager) -> dict:
     from cudaformers.kernels import hub
 
     hub.GATED_SKINNY = "nogated" not in flags  # nogated: gate/up, then a separate act-and-mul launch
-    # wprefetch / nowprefetch: the skinny GEMM's L2 prefetch of its weights on / off; stN: pipelines up
-    # to N stages deep (and the shared memory for them)
-    skinny_defaults = {k: getattr(skinny_gemm, k) for k in ("PREFETCH_WEIGHTS", "MAX_STAGES", "_SMEM_PER_PROGRAM")}
-    if "wprefetch" in flags or "nowprefetch" in flags:
-        skinny_gemm.PREFETCH_WEIGHTS = "wprefetch" in flags
+    # aloneN: skinny GEMM programs alone on their SM pipeline up to N stages deep (alone3: as before run 20)
+    skinny_defaults = {k: getattr(skinny_gemm, k) for k in ("ALONE_STAGES",)}
     for f in flags:
-        if f.startswith("st") and f[2:].isdigit():
-            skinny_gemm.MAX_STAGES, skinny_gemm._SMEM_PER_PROGRAM = int(f[2:]), 200 << 10
+        if f.startswith("alone") and f[5:].isdigit():
+            skinny_gemm.ALONE_STAGES = int(f[5:])
     from cudaformers.generation import loop
 
     if "drainstop" in flags:  # the stop check before StopCheck: every 16 steps, draining the queue

@@ -79,9 +79,9 @@ for part in "${parts[@]}"; do
                     tests/gpu/test_mamba_bwd_gpu.py tests/gpu/test_server_gpu.py tests/gpu/test_core_gpu.py \
                     tests/gpu/test_engine_gpu.py ;;
     skinny) run skinny 60 python3 bench/skinny_gemm.py ;;
-    wprefetch-ab) run skinny-knobs 240 python3 bench/skinny_gemm.py --knobs --m 32 16 --models 0.6b
-                  run wprefetch-ab 300 python3 bench/generate.py --skip-hf --workloads W3 --variants \
-                    triton+kernels,triton+kernels+st5,triton+kernels+st6,triton+kernels+st8,triton+kernels+wprefetch+st8,triton+kernels,triton+kernels+st5,triton+kernels+st6,triton+kernels+st8 ;;
+    skinny-knobs) run skinny-knobs 240 python3 bench/skinny_gemm.py --knobs --m 32 16 --models 0.6b ;;
+    stages-ab) run stages-ab 330 python3 bench/generate.py --skip-hf --workloads W3 --variants \
+                 triton+kernels,triton+kernels+alone3,triton+kernels+alone4,triton+kernels,triton+kernels+alone3,triton+kernels+alone4 ;;
     skinny-sweep-32) run skinny-sweep-32 300 python3 bench/skinny_gemm.py --m 32 --models 0.6b --sweep ;;
     skinny-tests) run skinny-tests 120 python3 -m pytest -v -rfE --tb=short -m gpu -p no:cacheprovider tests/gpu/test_skinny_gemm_gpu.py ;;
     paged-decode-engine) run paged-decode-engine 60 python3 bench/paged_decode.py --sweep --batches 128,256 \

@@ -41,17 +41,15 @@ SHAPES = [  # model, projection, N, K
 LAYER = ("qkv", "o", "gate_up", "down")
 
 
-# name -> skinny_gemm module settings: the weight prefetch, deeper pipelines (the shared memory a
-# program may take raised to match), and more programs per SM at 17-32 rows.
+# name -> skinny_gemm module settings: how deep a program alone on its SM pipelines, and how many
+# programs per SM 17-32-row launches aim for.
 KNOBS = {
     "default": {},
-    "prefetch": {"PREFETCH_WEIGHTS": True},
-    "no prefetch": {"PREFETCH_WEIGHTS": False},
-    "stages<=8": {"MAX_STAGES": 8, "_SMEM_PER_PROGRAM": 200 << 10},
-    "stages<=5": {"MAX_STAGES": 5, "_SMEM_PER_PROGRAM": 200 << 10},
-    "stages<=6": {"MAX_STAGES": 6, "_SMEM_PER_PROGRAM": 200 << 10},
-    "stages<=8, 1/2 per SM": {"MAX_STAGES": 8, "_SMEM_PER_PROGRAM": 200 << 10, "WIDE_PROGRAMS_PER_SM": 0.5},
-    "stages<=8, 1/4 per SM": {"MAX_STAGES": 8, "_SMEM_PER_PROGRAM": 200 << 10, "WIDE_PROGRAMS_PER_SM": 0.25},
+    "alone: 3 stages": {"ALONE_STAGES": 3},
+    "alone: 4 stages": {"ALONE_STAGES": 4},
+    "alone: 6 stages": {"ALONE_STAGES": 6},
+    "1/2 per SM": {"WIDE_PROGRAMS_PER_SM": 0.5},
+    "1/4 per SM": {"WIDE_PROGRAMS_PER_SM": 0.25},
 }
 
 

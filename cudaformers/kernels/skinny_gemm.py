@@ -18,6 +18,11 @@ An epilogue lets a decode layer drop a launch after the GEMM, bit for bit (on th
 the separate kernel computes from the stored output: ``skinny_gated``, a packed gate/up projection
 whose tiles pair gate rows with the same up rows, and write ``act(gate) * up`` (the act-and-mul
 launch; +2.0% on W3, bench/RESULTS.md run 17).
+
+Tried and measured no faster (run 20): each program asking L2 for all of its weights before its
+first wait (inline ``prefetch.global.L2``), so that more bytes are in flight than the pipeline's
+stages hold. W3 was unchanged (24,563 / 24,503 tok/s against 24,547 / 24,561), 1% slower on top of
+the deeper pipelines below, and the vocabulary projection alone took 31% longer (103 against 79 us).
 """
 
 from __future__ import annotations
@@ -35,7 +40,6 @@ from .activation import _act_and_grad, _code
 from .arrivals import arrival_counters
 from .gemv import _rows
 from .grid import cdiv, next_power_of_2
-from .l2_prefetch import LINE_BYTES, prefetch_l2
 from .pdl import pdl_enabled, release_dependents, wait_for_producer
 
 logger = logging.getLogger("cudaformers")
@@ -50,10 +54,13 @@ ROWS = (5, 32)
 _MAX_BLOCK_M = 128
 _SMEM_PER_PROGRAM = 100 << 10
 WIDE_PROGRAMS_PER_SM = 1 / 3  # programs per SM that 17-32-row launches aim for (see plan)
-MAX_STAGES = 4  # software-pipeline depth at most (pipeline_stages)
-# Each program asks L2 for all of its weights before its first wait (see _skinny_kernel); off: the
-# software pipeline alone keeps num_stages - 1 tiles in flight (bench/generate.py "+nowprefetch").
-PREFETCH_WEIGHTS = False
+# Software-pipeline depth at most, for programs that share an SM and for one alone on its SM (a grid of
+# at most one program per SM, as 17-32-row layer projections are): alone, it may take most of the SM's
+# shared memory for more tiles in flight. qwen3-0.6b at 32 rows on an H200: 5 stages a layer 22.3 us
+# against 23.6 for 3 (6: 22.6, 8: 22.9), W3 25,338 / 25,392 tok/s against 24,604 / 24,512
+# (bench/RESULTS.md run 20).
+MAX_STAGES, ALONE_STAGES = 4, 5
+_SMEM_ALONE = 200 << 10
 _warned_capture: list[bool] = []  # the capture-without-counters note is logged once per process
 
 
@@ -100,8 +107,7 @@ def _store_rows(acc, b_ptr, y_ptr, rows_w, n_ok, offs_m, m_ok, pid_n, n_out, str
 def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, K_SPLIT, NUM_SPLITS, stride_xm,
                    stride_wn, stride_ym, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
-                   UPCAST: tl.constexpr, USE_PDL: tl.constexpr, ACT: tl.constexpr, PREFETCH: tl.constexpr,
-                   LINES: tl.constexpr, LINE_ELEMS: tl.constexpr):
+                   UPCAST: tl.constexpr, USE_PDL: tl.constexpr, ACT: tl.constexpr):
     # ACT >= 0 (skinny_gated): W is [gate; up] (N = 2I rows); a tile holds BLOCK_N / 2 gate rows and
     # the same up rows, so its epilogue has both halves of its outputs. Each row's products are the
     # plain launch's (same tiles along K, same splits): only which rows share a program changes.
@@ -133,15 +139,6 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, K_S
         w = tl.load(w_rows + k_begin)
     else:
         w = tl.load(w_rows + k_begin, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-    if PREFETCH:
-        # The rest of this program's weights, requested into L2 at once: the pipeline alone keeps only
-        # num_stages - 1 tiles in flight, too few bytes to cover HBM's latency with a third of the SMs
-        # busy; from L2 the loop's loads return sooner. Rows past N ask for row 0, columns past K for
-        # the row's last line: harmless lines of the same weight.
-        safe_rows = tl.where(n_ok, offs_n, 0).to(tl.int64)[:, None] * stride_wn
-        lines = (tl.arange(0, LINES) * LINE_ELEMS)[None, :]  # [1, LINES]: a tile row's L2 lines
-        for k0 in range(k_begin + BLOCK_K, k_end, BLOCK_K):
-            prefetch_l2(w_ptr + safe_rows + tl.minimum(k0 + lines, K - 1))
     wait_for_producer(USE_PDL)
     x = tl.load(x_rows + k_begin, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
     acc = _dot(w, tl.trans(x), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), PREC, UPCAST)
@@ -224,15 +221,18 @@ def plan(m: int, n: int, k: int, dtype: torch.dtype, sms: int, split_ok: bool = 
     while split_ok and tiles * split < target and split * 2 <= min(steps, max_split):
         split *= 2
     per_split = cdiv(steps, split)
+    alone = tiles * cdiv(steps, per_split) <= sms
     return SkinnyConfig(block_m, block_n, block_k, per_split * block_k,
-                        num_stages=pipeline_stages(block_m, block_n, block_k, elem, per_split))
+                        num_stages=pipeline_stages(block_m, block_n, block_k, elem, per_split, alone))
 
 
-def pipeline_stages(block_m: int, block_n: int, block_k: int, elem: int, steps: int) -> int:
+def pipeline_stages(block_m: int, block_n: int, block_k: int, elem: int, steps: int, alone: bool = False) -> int:
     """Software-pipeline depth: stages of a weight and an x tile each (plus one buffer) within
-    _SMEM_PER_PROGRAM, so two or three programs share an SM; no deeper than the loop is long."""
+    _SMEM_PER_PROGRAM, so two or three programs share an SM, or within _SMEM_ALONE for a program
+    ``alone`` on its SM; no deeper than the loop is long."""
     stage_bytes = (block_n + block_m) * block_k * elem
-    return max(1, min(MAX_STAGES, steps, _SMEM_PER_PROGRAM // stage_bytes - 1))
+    cap, smem = (ALONE_STAGES, _SMEM_ALONE) if alone else (MAX_STAGES, _SMEM_PER_PROGRAM)
+    return max(1, min(cap, steps, smem // stage_bytes - 1))
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -324,9 +324,6 @@ def _launch(x2, weight, bias, config, act: int = -1) -> torch.Tensor:
         HAS_BIAS=bias is not None, SPLIT_K=split_k, EVEN=(rows_even and k % cfg.block_k == 0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         PREC="ieee" if x2.dtype == torch.float32 else "tf32", UPCAST=interpreting(), USE_PDL=use_pdl, ACT=act,
-        # the prefetch is inline PTX: never under the interpreter
-        PREFETCH=PREFETCH_WEIGHTS and x2.device.type == "cuda" and cfg.k_split > cfg.block_k,
-        LINES=max(1, cfg.block_k * x2.element_size() // LINE_BYTES), LINE_ELEMS=LINE_BYTES // x2.element_size(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra)
     return y
 

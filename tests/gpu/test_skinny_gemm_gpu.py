@@ -92,21 +92,6 @@ def test_pdl_on_and_off_agree(monkeypatch):
     assert torch.equal(with_pdl, chain())
 
 
-@pytest.mark.parametrize("n,k", [(4096, 1024), (1024, 3072), (151936, 1024), (6146, 1000)])
-@pytest.mark.parametrize("m", [8, 32])
-def test_weight_prefetch_changes_no_bits(monkeypatch, n, k, m):
-    """The L2 prefetch asks for lines only: the same bits with it and without, plain and gated, and the
-    plain result still within F.linear's bounds (a ragged N and K clamp the prefetched lines)."""
-    x, w, b = _inputs(m, n, k, torch.bfloat16)
-    results = {}
-    for on in (False, True):
-        monkeypatch.setattr(sg, "PREFETCH_WEIGHTS", on)
-        results[on] = skinny_linear(x, w, b), sg.skinny_gated(x, w[: n - n % 2])
-    assert torch.equal(results[False][0], results[True][0])
-    assert torch.equal(results[False][1], results[True][1])
-    _check(results[True][0], x, w, b)
-
-
 def _capture(fn):
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
