@@ -84,3 +84,29 @@ def test_what_changes_nothing_keeps_the_runner():
     kernelize(model, use_kernels=False)
     model.generate(ids, **KW)
     assert _runner(model) is runner
+
+
+def test_registrations_traced_by_torch_compile_neither_count_nor_recompile():
+    """transformers slices its ModuleList of layers inside every forward; traced by torch.compile, that
+    registration must not move the count, or the compiled code guards on it and compiles again on every
+    call (its compiled static-cache generate ran eagerly at a tenth of its speed)."""
+    from torch._dynamo.testing import CompileCounter
+
+    layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+    def forward(x):
+        for layer in layers[:2]:  # a new ModuleList, registered while traced
+            x = layer(x)
+        return x
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    compiled = torch.compile(forward, backend=counter)
+    x = torch.randn(2, 4)
+    stamp = structure.epoch()
+    for _ in range(3):
+        torch.testing.assert_close(compiled(x), forward(x))
+    assert counter.frame_count == 1
+    forward(x)  # eager: the slice registers for real, and counts
+    assert structure.epoch() > stamp
+    torch._dynamo.reset()

@@ -11,6 +11,7 @@ cost of a recapture when some other model changed.
 
 from __future__ import annotations
 
+import torch
 from torch.nn.modules import module as _module
 
 _count = [0]
@@ -25,5 +26,14 @@ def changed(*_args) -> None:
     _count[0] += 1
 
 
-_module.register_module_module_registration_hook(changed)
-_module.register_module_parameter_registration_hook(changed)
+def _registered(*_args) -> None:
+    # Inside torch.compile's tracing a registration builds a temporary (transformers slices its
+    # ModuleList of layers in every forward), not a change to a live model; counting it would make the
+    # compiled code guard on the count and compile again at every call (transformers' static-cache
+    # generate fell from 264 to 25 tok/s with cudaformers imported, bench/RESULTS.md run 20).
+    if not torch.compiler.is_compiling():
+        changed()
+
+
+_module.register_module_module_registration_hook(_registered)
+_module.register_module_parameter_registration_hook(_registered)
