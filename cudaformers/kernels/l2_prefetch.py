@@ -10,7 +10,10 @@ The same instruction, issued by the q/k/v GEMV for the next projections' weights
 Nor did a launch of its own between the q/k/v GEMV and the attention, which is latency-bound and
 leaves HBM idle, asking L2 for the layer's o / gate-up / down weights (bulk or per-line prefetch):
 W1 fell 9-58% (RESULTS.md run 17), though those projections run 21% faster from L2 than from HBM
-(``bench/l2_upside.py``).
+(``bench/l2_upside.py``). Nor did kernels asking for their *own* later weights before their wait
+(run 20): the skinny GEMM at 32 rows gained nothing on W3 (and its vocabulary projection lost 31%),
+the GEMV with its later K steps lost 1.4% on W1 and 21% on W2. The paged decode's first tile is the
+one placement that paid.
 """
 
 from __future__ import annotations
