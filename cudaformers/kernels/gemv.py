@@ -39,7 +39,6 @@ import triton.language as tl
 
 from .activation import _act_and_grad, _code
 from .grid import cdiv, next_power_of_2
-from .l2_prefetch import LINE_BYTES, prefetch_l2
 from .pdl import pdl_enabled, release_dependents, wait_for_producer
 
 MAX_ROWS = 4
@@ -51,9 +50,6 @@ MAX_ROWS = 4
 # 0.6b projections then fit one tile, all of it requested before the wait for the input.
 TILING = dict(elements=8192, programs_per_sm=2, warps=4)
 _NO_ACT = -1      # ACT code of the plain GEMV: x is used as loaded
-# A program whose weights take several K steps asks L2 for the steps past the first before it waits
-# (bench/generate.py "+gemvpf" turns it on).
-PREFETCH_STEPS = False
 
 
 @triton.jit
@@ -86,8 +82,7 @@ def _normed(s, rstd, norm_w):
 @triton.jit
 def _gemv_kernel(x_ptr, u_ptr, w_ptr, b_ptr, y_ptr, nw_ptr, s_ptr, N, K, eps, stride_xm, stride_um, stride_wn,
                  stride_ym, ACT: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
-                 PREFETCH: tl.constexpr, LINES: tl.constexpr, LINE_ELEMS: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
     # Inputs by mode: plain (x), ACT (gate x, up u), NORM (x, residual u, norm weight nw, sum out s).
     pid_n = tl.program_id(0)
     m = tl.program_id(1)
@@ -105,14 +100,6 @@ def _gemv_kernel(x_ptr, u_ptr, w_ptr, b_ptr, y_ptr, nw_ptr, s_ptr, N, K, eps, st
     w0 = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
     if NORM:
         nw0 = tl.load(nw_ptr + cols, mask=k_ok, other=0.0)  # a weight too: nothing in the step writes it
-    if PREFETCH:
-        # The later steps' weights into L2 while waiting: the loop then finds them there instead of
-        # requesting them from HBM one step at a time after the input. Rows past N ask for row 0 and
-        # columns past K for the row's last line: lines of the same weight.
-        safe_rows = tl.where(row_ok, rows, 0).to(tl.int64)[:, None] * stride_wn
-        lines = (tl.arange(0, LINES) * LINE_ELEMS)[None, :]  # [1, LINES]
-        for k0 in range(BLOCK_K, K, BLOCK_K):
-            prefetch_l2(w_ptr + safe_rows + tl.minimum(k0 + lines, K - 1))
     wait_for_producer(USE_PDL)
     release_dependents(USE_PDL)
     if NORM:
@@ -188,10 +175,8 @@ def _launch(x2, u2, weight, bias, act: int, norm: tuple | None = None) -> torch.
     _gemv_kernel[grid](x2, u2, weight, bias if bias is not None else y, y, norm_w, s if s is not None else y,
                        n, k, eps, x2.stride(0), u2.stride(0), weight.stride(0), y.stride(0), ACT=act,
                        NORM=norm is not None, HAS_RESIDUAL=s is not None, HAS_BIAS=bias is not None,
-                       BLOCK_N=block_n, BLOCK_K=block_k, USE_PDL=pdl,
-                       PREFETCH=PREFETCH_STEPS and x2.device.type == "cuda" and k > block_k,  # inline PTX: not interpreted
-                       LINES=max(1, block_k * weight.element_size() // LINE_BYTES),
-                       LINE_ELEMS=LINE_BYTES // weight.element_size(), num_warps=warps, num_stages=3, launch_pdl=pdl)
+                       BLOCK_N=block_n, BLOCK_K=block_k, USE_PDL=pdl, num_warps=warps, num_stages=3,
+                       launch_pdl=pdl)
     return y
 
 

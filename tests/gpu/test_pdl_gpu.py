@@ -195,24 +195,3 @@ def test_generate_tokens_same_with_pdl_on_and_off(monkeypatch):
     assert not any(name.endswith("kv_store") for name in launches)
     assert torch.equal(tokens[True], tokens[False])
     assert torch.equal(tokens[True, "one row"], tokens[False, "one row"])
-
-
-@pytest.mark.parametrize("n,k", [(6144, 1024), (151936, 1024), (6144, 4096), (1000, 3000)])
-def test_gemv_prefetch_of_later_steps_changes_no_bits(monkeypatch, n, k):
-    """The GEMV's L2 prefetch of its later K steps asks for lines only: the same bits with it and without,
-    plain and with the RMSNorm folded in (a ragged N and K clamp the prefetched lines)."""
-    from cudaformers.kernels import gemv as gemv_module
-
-    g = torch.Generator(device="cuda").manual_seed(n + k)
-    x, r = (torch.randn(1, k, device="cuda", generator=g).to(DT) for _ in range(2))
-    w = (torch.randn(n, k, device="cuda", generator=g) / k ** 0.5).to(DT)
-    norm_w = torch.rand(k, device="cuda", generator=g).to(DT)
-    results = {}
-    for on in (False, True):
-        monkeypatch.setattr(gemv_module, "PREFETCH_STEPS", on)
-        plain = gemv(x, w)
-        normed, total = gemv_module.gemv_rms_norm(x, w, norm_w, EPS, residual=r)
-        results[on] = (plain, normed, total)
-    for a, b in zip(results[False], results[True]):
-        assert torch.equal(a, b)
-    torch.testing.assert_close(results[True][0].float(), (x.float() @ w.float().T), rtol=2e-2, atol=2e-2)
