@@ -96,7 +96,7 @@ def run_ours(folder, batch, variant, check_eager) -> dict:
 
     hub.GATED_SKINNY = "nogated" not in flags  # nogated: gate/up, then a separate act-and-mul launch
     # aloneN: skinny GEMM programs alone on their SM pipeline up to N stages deep (alone3: as before run 20)
-    skinny_defaults = {k: getattr(skinny_gemm, k) for k in ("ALONE_STAGES",)}
+    alone_stages = skinny_gemm.ALONE_STAGES
     for f in flags:
         if f.startswith("alone") and f[5:].isdigit():
             skinny_gemm.ALONE_STAGES = int(f[5:])
@@ -117,8 +117,7 @@ def run_ours(folder, batch, variant, check_eager) -> dict:
         fused_norm_decode.FUSE_ATTENTION_WITH_PDL = False
         skinny_gemm.WIDE_PROGRAMS_PER_SM = 1 / 3
         hub.GATED_SKINNY = True
-        for key, value in skinny_defaults.items():
-            setattr(skinny_gemm, key, value)
+        skinny_gemm.ALONE_STAGES = alone_stages
         loop.LAGGED_STOP_CHECK, loop.SYNC_EVERY = True, 8
         paged_decode.BUSY_SPLIT_ABOVE, paged_decode.BUSY_SPLIT_TILES, paged_decode.BUSY_STAGES = 2048, 3, 4
         paged_decode.default_tiling.cache_clear()

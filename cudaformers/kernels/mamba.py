@@ -23,7 +23,6 @@ import triton.language as tl
 from .grid import cdiv, next_power_of_2
 
 
-
 # -- references ----------------------------------------------------------------------------------
 
 def causal_conv1d_reference(x, weight, bias=None, state=None, silu: bool = False):

@@ -236,7 +236,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: t
     out = torch.empty(1, n, device=x.device, dtype=x.dtype)
     pdl = pdl_enabled(x.device)
     _fp8_gemv_kernel[(cdiv(n, block_n),)](x, w, scale, bias if bias is not None else out, out, n, k,
-                                                 w.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
-                                                 HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, USE_PDL=pdl,
-                                                 num_warps=4, launch_pdl=pdl)
+                                      w.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
+                                      HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, USE_PDL=pdl,
+                                      num_warps=4, launch_pdl=pdl)
     return out

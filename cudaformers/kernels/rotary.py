@@ -54,7 +54,7 @@ def _rotate_into(x: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, sin: tor
     block_h, block_d = next_power_of_2(h), next_power_of_2(half)
     block_t = max(1, 1024 // (block_h * block_d))
     _rotate[(cdiv(t, block_t),)](x, out, x.stride(0), x.stride(1), out.stride(0), out.stride(1), t, h, cos,
-                                        sin, half, sign, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d)
+                                 sin, half, sign, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d)
 
 
 def _rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> None:

@@ -56,9 +56,9 @@ _SMEM_PER_PROGRAM = 100 << 10
 WIDE_PROGRAMS_PER_SM = 1 / 3  # programs per SM that 17-32-row launches aim for (see plan)
 # Software-pipeline depth at most, for programs that share an SM and for one alone on its SM (a grid of
 # at most one program per SM, as 17-32-row layer projections are): alone, it may take most of the SM's
-# shared memory for more tiles in flight. qwen3-0.6b at 32 rows on an H200: 5 stages a layer 22.3 us
-# against 23.6 for 3 (6: 22.6, 8: 22.9), W3 25,338 / 25,392 tok/s against 24,604 / 24,512
-# (bench/RESULTS.md run 20).
+# shared memory for more tiles in flight. At 32 rows on an H200: qwen3-0.6b 22.3 us a layer with 5
+# stages against 23.6 with 3 (6: 22.6, 8: 22.9), qwen3-8b 112.5 against 135.5; W3 25,640 / 25,603
+# tok/s against 24,585 / 24,601 (bench/RESULTS.md run 20).
 MAX_STAGES, ALONE_STAGES = 4, 5
 _SMEM_ALONE = 200 << 10
 _warned_capture: list[bool] = []  # the capture-without-counters note is logged once per process

@@ -21,8 +21,8 @@ def epoch() -> int:
     return _count[0]
 
 
-def changed(*_args) -> None:
-    """Marks every cached structure stale (also usable as a registration hook: returns None)."""
+def changed() -> None:
+    """Marks every cached structure stale."""
     _count[0] += 1
 
 
