@@ -39,8 +39,10 @@ MODES = {"plain": 0, "gdc": 1, "flag": 2, "flag-early": 3}
 def _poll(flag_ptr, expected):
     # A volatile spin (no read-modify-write traffic on the line), then one acquire to order the
     # loads that follow after the producers' released stores.
-    while tl.load(flag_ptr, volatile=True) < expected:
-        pass
+    # Bounded, so that a bug here shows as a wrong result rather than a hung GPU.
+    spins = 0
+    while (tl.load(flag_ptr, volatile=True) < expected) & (spins < 1 << 16):
+        spins += 1
     tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
 
 
@@ -85,8 +87,9 @@ def launch_chain(shapes, weights, acts, flags, mode: int):
         block_n = max(1, elements // block_k)
         grid = (triton.cdiv(n, block_n),)
         prev_programs = 0 if i == 0 else triton.cdiv(shapes[i - 1][0], max(1, elements // triton.next_power_of_2(shapes[i - 1][1])))
-        # The first link follows the zeroing kernel (no PDL there): plain stream order.
-        m = 0 if (i == 0 and mode >= 2) else mode
+        # The first link follows the zeroing kernel, which ends before it starts: it waits for no
+        # arrival (expected 0) but counts its own.
+        m = mode
         _link[grid](acts[i % 2], w, acts[(i + 1) % 2], flags, max(i - 1, 0), prev_programs, i,
                     K=k, BLOCK_N=block_n, BLOCK_K=block_k, MODE=m, num_warps=4, launch_pdl=m > 0)
 
