@@ -32,7 +32,27 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-MODES = {"plain": 0, "gdc": 1, "flag": 2, "flag-early": 3}
+MODES = {"plain": 0, "gdc": 1, "flag": 2, "flag-early": 3, "flag-one": 4}
+
+# One thread per program polls (acquire, GPU scope), the others wait at a barrier behind it: 1/128th
+# of ``flag``'s polling traffic on the counter's line. Bounded as ``_poll`` is.
+_SPIN_ONE = tl.constexpr("""{
+.reg .pred %cs_p<3>;
+.reg .b32 %cs_t, %cs_v, %cs_n;
+mov.u32 %cs_t, %tid.x;
+mov.u32 %cs_n, 0;
+setp.ne.u32 %cs_p0, %cs_t, 0;
+@%cs_p0 bra CS_DONE${:uid};
+CS_SPIN${:uid}:
+ld.acquire.gpu.global.b32 %cs_v, [$1];
+add.u32 %cs_n, %cs_n, 1;
+setp.lt.s32 %cs_p1, %cs_v, $2;
+setp.lt.u32 %cs_p2, %cs_n, 65536;
+and.pred %cs_p1, %cs_p1, %cs_p2;
+@%cs_p1 bra CS_SPIN${:uid};
+CS_DONE${:uid}:
+mov.u32 $0, 0;
+}""")
 
 
 @triton.jit
@@ -63,6 +83,11 @@ def _link(x_ptr, w_ptr, y_ptr, flags, wait_idx, expected, arrive_idx,
     if MODE == 3:
         tl.extra.cuda.gdc_launch_dependents()
         _poll(flags + wait_idx, expected)
+    if MODE == 4:
+        tl.inline_asm_elementwise(_SPIN_ONE, "=r,l,r", [flags + wait_idx, expected], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+        tl.debug_barrier()
+        tl.extra.cuda.gdc_launch_dependents()
     x = tl.load(x_ptr + cols, mask=k_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
     y = tl.sum(w.to(tl.float32) * x[None, :], 1)
     tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty))
@@ -139,7 +164,7 @@ def main() -> None:
     # Check the flag chain computes what the plain chain does (same inputs, same order of links).
     shapes, weight_copies, acts = build_chain(2, 1, device)
     outs = []
-    for mode in (0, 2, 3):
+    for mode in (0, 2, 3, 4):
         acts[0].copy_(torch.linspace(-1, 1, acts[0].numel(), device=device))
         launch_chain(shapes, weight_copies[0], acts, flags, mode)
         torch.cuda.synchronize()
