@@ -21,7 +21,7 @@ from cudaformers.kernels import greedy_advance as ga  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 GREEDY = LoopKind(sampling=False, top_k=False, top_p=False, min_p=False, penalty=False, min_new=False)
-FIELDS = ("tokens", "out", "finished", "ends", "step")
+FIELDS = ("tokens", "positions", "out", "finished", "ends", "step")
 
 
 def _state(kind, rows, vocab, eos, pad=3, max_new=5, capacity=6, finished=(), min_new=0):

@@ -37,13 +37,21 @@ def test_same_bits_as_the_torch_path(rows, page, dim, dtype):
     positions, table = _case(rows, page, capacity, seed=rows * 7 + dim)
     g = torch.Generator().manual_seed(dim)
     rope = tuple(torch.randn(capacity, dim, generator=g).to(DEVICE, dtype) for _ in range(2))
-    got, want = step_inputs(positions, table, page, rope), step_inputs_torch(positions, table, page, rope)
+    # An odd hidden size past one 1024-column chunk, and a strided (row-padded) table.
+    embedding = torch.randn(50, dim * 11 + 1040, generator=g).to(DEVICE, dtype)[:, :dim * 11 + 1030]
+    tokens = torch.randint(0, 50, (rows,), generator=g).to(DEVICE)
+    inputs = (positions, table, page, rope, tokens, embedding)
+    got, want = step_inputs(*inputs), step_inputs_torch(*inputs)
     for a, b in zip(got[:3], want[:3]):
         assert a.dtype == b.dtype and torch.equal(a, b)
     assert all(a.dtype == dtype and torch.equal(a, b) for a, b in zip(got[3], want[3]))
-    # Without a table: the metadata alone.
+    assert got[4].dtype == dtype and torch.equal(got[4], want[4])
+    # Without a table or an embedding: the metadata alone; each alone.
     bare = step_inputs(positions, table, page)
-    assert bare[3] is None and all(torch.equal(a, b) for a, b in zip(bare[:3], want[:3]))
+    assert bare[3] is None and bare[4] is None and all(torch.equal(a, b) for a, b in zip(bare[:3], want[:3]))
+    assert step_inputs(positions, table, page, rope)[4] is None
+    only = step_inputs(positions, table, page, None, tokens, embedding)
+    assert only[3] is None and torch.equal(only[4], want[4])
 
 
 def test_bad_shapes_are_named():
@@ -53,6 +61,11 @@ def test_bad_shapes_are_named():
     rope = torch.zeros(64, 8, device=DEVICE)
     with pytest.raises(ValueError, match="rope_table"):
         step_inputs(positions, table, 16, (rope, rope[:, :4]))
+    embedding = torch.zeros(10, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="tokens and embedding"):
+        step_inputs(positions, table, 16, None, None, embedding)
+    with pytest.raises(ValueError, match="must match positions"):
+        step_inputs(positions, table, 16, None, positions[:2], embedding)
 
 
 @pytest.mark.parametrize("name", ["qwen3", "llama"])
@@ -68,3 +81,27 @@ def test_generate_through_the_table_equals_the_models_own_rotary(name, monkeypat
     model.__dict__.pop("_decode_runners")
     monkeypatch.setattr(decode, "_rope_table", lambda *a: None)
     assert torch.equal(with_table, model.generate(ids, **kw))
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama"])
+def test_generate_through_gathered_embeddings_equals_the_models_own(name, monkeypatch):
+    model = AutoModelForCausalLM.from_pretrained(tiny.checkpoint(name)).to(DEVICE).eval()
+    ids = torch.randint(3, 211, (3, 5), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    kw = dict(max_new_tokens=8, do_sample=False, eos_token_id=None, use_cuda_graph=False)
+    gathered = []
+    real = decode._embedding_table
+    monkeypatch.setattr(decode, "_embedding_table", lambda *a: gathered.append(real(*a)) or gathered[-1])
+    with_gather = model.generate(ids, **kw)
+    assert gathered and all(w is model.model.embed_tokens.weight for w in gathered)
+    model.__dict__.pop("_decode_runners")
+    monkeypatch.setattr(decode, "_embedding_table", lambda *a: None)
+    assert torch.equal(with_gather, model.generate(ids, **kw))
+
+
+def test_a_hooked_embedding_still_runs_its_hook():
+    model = AutoModelForCausalLM.from_pretrained(tiny.checkpoint("qwen3")).to(DEVICE).eval()
+    ids = torch.randint(3, 211, (1, 5), generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    seen = []
+    model.model.embed_tokens.register_forward_hook(lambda m, args, out: seen.append(out.shape[0]))
+    model.generate(ids, max_new_tokens=4, do_sample=False, eos_token_id=None, use_cuda_graph=False)
+    assert seen == [5, 1, 1, 1]  # the prompt, then every decode step through the module itself

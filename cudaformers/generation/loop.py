@@ -123,7 +123,9 @@ class LoopState:
         self.out.fill_(pad)
         self.finished.zero_()
         self.ends.fill_(max_new)
-        self.positions.copy_(positions)
+        # positions holds the position of the token in ``tokens``: the prompt's last one until
+        # ``advance`` records the first new token (each advance moves both).
+        self.positions.copy_(positions - 1)
 
     def result(self, steps: int) -> torch.Tensor:
         """The generated tokens ``[B, n]``, columns past the last row's end dropped (the loop may run
@@ -132,7 +134,8 @@ class LoopState:
 
 
 def advance(logits: torch.Tensor, state: LoopState, generator: torch.Generator | None = None) -> None:
-    """Samples this step's token per row from ``logits [B, V]`` and records it; no host reads.
+    """Samples this step's token per row from ``logits [B, V]`` and records it as the next step's
+    input (``tokens``, ``positions`` + 1); no host reads.
 
     Plain greedy decoding takes two Triton launches (``kernels/greedy_advance.py``) where Triton runs
     (CUDA, or the interpreter); everything else, and the CPU, runs ``advance_torch``."""
@@ -160,6 +163,7 @@ def advance_torch(logits: torch.Tensor, state: LoopState, generator: torch.Gener
         state.seen.scatter_(1, tokens[:, None], True)
     close_finished(state, state.step + 1)
     state.tokens.copy_(tokens)
+    state.positions += 1
     state.step += 1
 
 

@@ -1,8 +1,8 @@
 """generate()'s per-token bookkeeping for plain greedy decoding (``loop.advance``) in two launches.
 
 Greedy ``advance`` is a dozen tiny torch kernels per token (eos masking before min_new_tokens, cast,
-argmax, padding of finished rows, the output column, eos flags, ends, the next input, ``step +=
-1``); in the decode graph each costs a launch and a drain (by estimate 25-35 us of an ~860 us step
+argmax, padding of finished rows, the output column, eos flags, ends, the next input and its
+position, ``step += 1``); in the decode graph each costs a launch and a drain (by estimate 25-35 us of an ~860 us step
 at batch 1; W1 rose 7% with this and the fused KV store together, bench/RESULTS.md run 9). Here it
 is two launches, bit-exact:
 
@@ -76,7 +76,7 @@ def _partial_argmax(LOGITS, PVAL, PIDX, n_cols, stride_row, chunk, n_splits, EOS
 
 
 @triton.jit
-def _finish(PVAL, PIDX, n_rows, n_splits, TOKENS, OUT, stride_out, capacity, FINISHED, ENDS, EOS, n_eos,
+def _finish(PVAL, PIDX, n_rows, n_splits, TOKENS, POSITIONS, OUT, stride_out, capacity, FINISHED, ENDS, EOS, n_eos,
             PAD, STEP, MAX_NEW, BLOCK_B: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr,
             USE_PDL: tl.constexpr):
     wait_for_producer(USE_PDL)
@@ -108,6 +108,7 @@ def _finish(PVAL, PIDX, n_rows, n_splits, TOKENS, OUT, stride_out, capacity, FIN
         ends = tl.load(ENDS + rows, mask=row_ok)
         tl.store(ENDS + rows, tl.where(done & (ends == max_new), step + 1, ends), mask=row_ok)
         tl.store(TOKENS + rows, token, mask=row_ok)
+        tl.store(POSITIONS + rows, tl.load(POSITIONS + rows, mask=row_ok) + 1, mask=row_ok)
     tl.store(STEP, step + 1)
 
 
@@ -119,7 +120,7 @@ def is_greedy(kind) -> bool:
 
 def supports(logits: torch.Tensor, state) -> bool:
     """Whether ``greedy_advance`` takes these (else: ``greedy_advance_reference``)."""
-    flat = (state.tokens, state.finished, state.ends, state.eos)
+    flat = (state.tokens, state.positions, state.finished, state.ends, state.eos)
     return (triton_runs_on(logits.device) and is_greedy(state.kind) and logits.dim() == 2 and logits.dtype in LOGIT_DTYPES
             and logits.shape[0] == state.out.shape[0] and 0 < logits.shape[1] < 2 ** 31 - 1
             and logits.stride(1) == 1 and state.out.stride(1) == 1
@@ -128,7 +129,8 @@ def supports(logits: torch.Tensor, state) -> bool:
 
 def greedy_advance(logits: torch.Tensor, state) -> None:
     """``loop.advance(logits, state)`` for a plain greedy ``state.kind``: the argmax of ``logits [B, V]``
-    per row, padded where finished, into ``out[:, step]``, ``tokens``, ``finished``, ``ends``; ``step += 1``."""
+    per row, padded where finished, into ``out[:, step]``, ``tokens``, ``finished``, ``ends``; ``positions``
+    and ``step`` += 1."""
     if not is_greedy(state.kind):
         raise ValueError(f"greedy_advance: {state.kind} is not plain greedy decoding (no sampling or "
                          f"repetition penalty)")
@@ -147,7 +149,7 @@ def greedy_advance(logits: torch.Tensor, state) -> None:
                                     EOS_SLOTS=state.eos.numel(), USE_PDL=pdl, num_warps=4, launch_pdl=pdl)
     block_s = next_power_of_2(splits)
     block_b = min(next_power_of_2(rows), max(1, 2048 // block_s))
-    _finish[(1,)](pval, pidx, rows, splits, state.tokens, state.out, state.out.stride(0), state.out.shape[1],
+    _finish[(1,)](pval, pidx, rows, splits, state.tokens, state.positions, state.out, state.out.stride(0), state.out.shape[1],
                   state.finished, state.ends, state.eos, state.eos.numel(), state.pad, state.step, state.max_new,
                   BLOCK_B=block_b, BLOCK_S=block_s, BLOCK_E=next_power_of_2(max(state.eos.numel(), 1)),
                   USE_PDL=pdl, num_warps=4, launch_pdl=pdl)

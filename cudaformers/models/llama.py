@@ -62,10 +62,12 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(config)
         self.gradient_checkpointing = False
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch) -> torch.Tensor:
-        """input_ids, positions ``[T]`` (a flat batch described by ``batch``) -> hidden ``[T, H]``."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions ``[T]`` (a flat batch described by ``batch``) -> hidden ``[T, H]``;
+        ``inputs_embeds [T, H]``: the embeddings of input_ids where the caller has them already."""
         batch.clear_memo()
-        hidden = self.embed_tokens(input_ids)
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = batch.rope if batch.rope is not None else self.rotary_emb(positions, hidden.dtype)
         residual = None
         for layer in self.layers:
