@@ -59,11 +59,11 @@ def _step_inputs_kernel(POS, TABLE, SEQLENS, SLOTS, CU_K, COS_TABLE, SIN_TABLE, 
         rows = pid * ROWS + tl.arange(0, ROWS)
         ok = rows < B
         tok = tl.load(TOKENS + rows, mask=ok, other=0).to(tl.int64)
-        for h0 in range(0, H, BLOCK_H):
-            cols = h0 + tl.arange(0, BLOCK_H)
-            mask = ok[:, None] & (cols < H)[None, :]
-            row = tl.load(EMBEDDING + tok[:, None] * stride_embedding + cols[None, :], mask=mask)
-            tl.store(EMBEDS + rows.to(tl.int64)[:, None] * H + cols[None, :], row, mask=mask)
+        for h0 in range(0, H, BLOCK_H):  # names of their own: a loop may not retype the rotary part's
+            h_cols = h0 + tl.arange(0, BLOCK_H)
+            h_mask = ok[:, None] & (h_cols < H)[None, :]
+            row = tl.load(EMBEDDING + tok[:, None] * stride_embedding + h_cols[None, :], mask=h_mask)
+            tl.store(EMBEDS + rows.to(tl.int64)[:, None] * H + h_cols[None, :], row, mask=h_mask)
 
 
 def step_inputs(positions: torch.Tensor, block_table: torch.Tensor, block_size: int,
