@@ -27,13 +27,14 @@ from .grid import cdiv, next_power_of_2
 
 
 ROPE_ROWS = 16  # rotary rows gathered per program; program 0 also writes the per-row metadata
+EMBED_ROWS = 16  # embedding rows gathered per program
 
 
 @triton.jit
 def _step_inputs_kernel(POS, TABLE, SEQLENS, SLOTS, CU_K, COS_TABLE, SIN_TABLE, COS, SIN, TOKENS, EMBEDDING, EMBEDS,
                         B, stride_table, D, H, stride_embedding,
                         PAGE: tl.constexpr, BLOCK_B: tl.constexpr, HAS_ROPE: tl.constexpr, ROWS: tl.constexpr,
-                        BLOCK_D: tl.constexpr, HAS_EMBED: tl.constexpr, BLOCK_H: tl.constexpr):
+                        BLOCK_D: tl.constexpr, HAS_EMBED: tl.constexpr, E_ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
     pid = tl.program_id(0)
     if pid == 0:  # the per-row metadata: one program, since the prefix sum needs every row
         rows = tl.arange(0, BLOCK_B)
@@ -55,8 +56,8 @@ def _step_inputs_kernel(POS, TABLE, SEQLENS, SLOTS, CU_K, COS_TABLE, SIN_TABLE, 
         dst = rows.to(tl.int64)[:, None] * D + cols[None, :]
         tl.store(COS + dst, tl.load(COS_TABLE + src, mask=mask), mask=mask)
         tl.store(SIN + dst, tl.load(SIN_TABLE + src, mask=mask), mask=mask)
-    if HAS_EMBED:  # [ROWS, H] embedding rows of the tokens per program, copied bit for bit
-        rows = pid * ROWS + tl.arange(0, ROWS)
+    if HAS_EMBED:  # [E_ROWS, H] embedding rows of the tokens per program, copied bit for bit
+        rows = pid * E_ROWS + tl.arange(0, E_ROWS)
         ok = rows < B
         tok = tl.load(TOKENS + rows, mask=ok, other=0).to(tl.int64)
         for h0 in range(0, H, BLOCK_H):  # names of their own: a loop may not retype the rotary part's
@@ -108,11 +109,11 @@ def step_inputs(positions: torch.Tensor, block_table: torch.Tensor, block_size: 
     if b == 0:
         cu_k.zero_()
         return seqlens, slots, cu_k, rope, out_embeds
-    programs = cdiv(b, ROPE_ROWS) if rope_table is not None or has_embed else 1
+    programs = max(cdiv(b, ROPE_ROWS) if rope_table is not None else 1, cdiv(b, EMBED_ROWS) if has_embed else 1)
     _step_inputs_kernel[(programs,)](positions, block_table, seqlens, slots, cu_k, cos_table, sin_table, cos, sin,
                                      tokens, embedding, embeds, b, block_table.stride(0), d, h,
                                      embedding.stride(0) if has_embed else 0, PAGE=block_size,
                                      BLOCK_B=next_power_of_2(b), HAS_ROPE=rope_table is not None, ROWS=ROPE_ROWS,
-                                     BLOCK_D=next_power_of_2(d), HAS_EMBED=has_embed,
+                                     BLOCK_D=next_power_of_2(d), HAS_EMBED=has_embed, E_ROWS=EMBED_ROWS,
                                      BLOCK_H=min(next_power_of_2(h), 1024))
     return seqlens, slots, cu_k, rope, out_embeds
