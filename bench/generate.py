@@ -7,8 +7,7 @@ A variant is an attention backend, optionally with ``+kernels`` (use_kernels=Tru
 but the decode norms not folded into the GEMVs after them), ``+nomlp`` (kernels, but the gated MLP's
 activation left out of the down projection's GEMV), ``+torchinputs`` (the decode step's inputs as
 torch ops and the model's own rotary instead of one launch: ``generation.decode.STEP_INPUTS_KERNEL``)
-``+modelembed`` (the model's own embedding launch instead of the gather in that launch; ``+embrowsN``
-gathers N rows a program) and ``+nofuseattn`` (decode attention as qk_norm_rope then the paged decode, two launches, instead of
+and ``+nofuseattn`` (decode attention as qk_norm_rope then the paged decode, two launches, instead of
 the one fused launch: ``kernels.fused_norm_decode.FUSE_ATTENTION``).
 """
 
@@ -80,15 +79,6 @@ def run_ours(folder, batch, variant, check_eager) -> dict:
     from cudaformers.kernels import fused_norm_decode
 
     decode.STEP_INPUTS_KERNEL = "torchinputs" not in flags
-    # modelembed: the model embeds its tokens (not the step-inputs launch); embrowsN: N rows a program
-    from cudaformers.kernels import step_inputs
-
-    embedding_table = decode._embedding_table
-    if "modelembed" in flags:
-        decode._embedding_table = lambda *a: None
-    for f in flags:
-        if f.startswith("embrows") and f[7:].isdigit():
-            step_inputs.EMBED_ROWS = int(f[7:])
     fused_norm_decode.FUSE_ATTENTION = "nofuseattn" not in flags
     fused_norm_decode.FUSE_ATTENTION_WITH_PDL = "fuseattnpdl" in flags
     # skinnyN: 17-32-row skinny launches aim for N/100 programs per SM; splitA.T.S: busy paged-decode
@@ -123,8 +113,6 @@ def run_ours(folder, batch, variant, check_eager) -> dict:
         eager = model.generate(ids, use_cuda_graph=False, **kw) if check_eager else None
     finally:
         decode.STEP_INPUTS_KERNEL = True
-        decode._embedding_table = embedding_table
-        step_inputs.EMBED_ROWS = 16
         fused_norm_decode.FUSE_ATTENTION = True
         fused_norm_decode.FUSE_ATTENTION_WITH_PDL = False
         skinny_gemm.WIDE_PROGRAMS_PER_SM = 1 / 3

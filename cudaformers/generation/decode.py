@@ -26,20 +26,17 @@ STEP_INPUTS_KERNEL = True
 
 
 def step_inputs_torch(positions: torch.Tensor, block_table: torch.Tensor, block_size: int,
-                      rope_table: tuple[torch.Tensor, torch.Tensor] | None = None, tokens: torch.Tensor | None = None,
-                      embedding: torch.Tensor | None = None):
+                      rope_table: tuple[torch.Tensor, torch.Tensor] | None = None):
     """A decode step's inputs from its positions ``[B]`` (int64): ``(seqlens [B] int32, slots [B] int64,
-    cu_seqlens_k [B+1] int32, (cos, sin) [B, rotary dim] or None, embeds [B, H] or None)``;
-    ``block_table [B, W]`` int32, ``rope_table`` ``(cos, sin)`` ``[capacity, rotary dim]``, ``embedding``
-    ``[vocab, H]`` gathered at ``tokens [B]`` (``kernels/step_inputs.py``'s reference)."""
+    cu_seqlens_k [B+1] int32, (cos, sin) [B, rotary dim] or None)``; ``block_table [B, W]`` int32,
+    ``rope_table`` ``(cos, sin)`` ``[capacity, rotary dim]`` (``kernels/step_inputs.py``'s reference)."""
     seqlens = (positions + 1).to(torch.int32)
     rows = torch.arange(positions.numel(), device=positions.device)
     slots = block_table[rows, positions // block_size].long() * block_size + positions % block_size
     cu_k = torch.zeros(positions.numel() + 1, dtype=torch.int32, device=positions.device)
     cu_k[1:] = seqlens.cumsum(0)
     rope = None if rope_table is None else (rope_table[0][positions], rope_table[1][positions])
-    embeds = None if embedding is None else torch.nn.functional.embedding(tokens, embedding)
-    return seqlens, slots, cu_k, rope, embeds
+    return seqlens, slots, cu_k, rope
 
 
 def _rope_table(model, capacity: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -55,16 +52,6 @@ def _rope_table(model, capacity: int) -> tuple[torch.Tensor, torch.Tensor] | Non
     with torch.no_grad():
         cos, sin = rotary(positions, embed.weight.dtype)
     return cos.contiguous(), sin.contiguous()
-
-
-def _embedding_table(model, device: torch.device) -> torch.Tensor | None:
-    """The input embedding's weight where a decode step may gather its rows itself (a plain, unhooked
-    ``nn.Embedding`` without max_norm on the step's device), else None: the model embeds its tokens."""
-    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    if (type(embed) is not torch.nn.Embedding or embed._forward_hooks or embed._forward_pre_hooks
-            or "forward" in embed.__dict__ or embed.max_norm is not None or embed.weight.device != device):
-        return None
-    return embed.weight
 
 
 class DecodeRunner:
@@ -94,17 +81,15 @@ class DecodeRunner:
         self.prompt = PromptPass(self, use_cuda_graph)  # runner.prompt(rows) -> first logits
 
     def _step(self) -> torch.Tensor:
-        # One launch where Triton runs (kernels/step_inputs.py): lengths, slots, key offsets, rotary rows
-        # and input embeddings. Switched off, the torch ops and the model's own rotary and embedding.
+        # One launch where Triton runs (kernels/step_inputs.py): lengths, slots, key offsets, rotary rows.
+        # Switched off, the torch ops and the model's own rotary, as before the launch existed.
         inputs, table = step_inputs_torch, self.rope_table if STEP_INPUTS_KERNEL else None
-        embedding = _embedding_table(self.model, self.tokens.device) if STEP_INPUTS_KERNEL else None
         if STEP_INPUTS_KERNEL and triton_runs_on(self.positions.device):
             from ..kernels.step_inputs import step_inputs as inputs  # Triton is imported only where it runs
-        seqlens, slots, cu_k, rope, embeds = inputs(self.positions, self.block_table, self.block_size, table,
-                                                    None if embedding is None else self.tokens, embedding)
+        seqlens, slots, cu_k, rope = inputs(self.positions, self.block_table, self.block_size, table)
         batch = AttentionBatch(self.cu_q, cu_k, seqlens, 1, self.capacity, self.cache, slots, self.block_table,
                                has_context=True, rope=rope)
-        hidden = self.model.model(self.tokens, self.positions, batch, inputs_embeds=embeds)
+        hidden = self.model.model(self.tokens, self.positions, batch)
         return self.model.compute_logits(hidden).to(self.tokens.device)  # see PromptPass._forward
 
     def capture(self, body, warmups: int = 2):

@@ -11,10 +11,6 @@ batch-1 step (bench/RESULTS.md run 12).
 The rotary rows are gathered from a table of every position the runner can reach, computed once by
 the model's own ``RotaryEmbedding``: bitwise the cos/sin the model would compute per step (its
 rotary is elementwise in the position), without a sine or cosine in the kernel.
-
-The same launch gathers the step's input embeddings (the rows of the tokens), which the model then
-takes as ``inputs_embeds``: the embedding's own launch was a torch kernel outside the chain, so the
-first layer's GEMV could not start early behind it.
 """
 
 from __future__ import annotations
@@ -27,14 +23,12 @@ from .grid import cdiv, next_power_of_2
 
 
 ROPE_ROWS = 16  # rotary rows gathered per program; program 0 also writes the per-row metadata
-EMBED_ROWS = 16  # embedding rows gathered per program
 
 
 @triton.jit
-def _step_inputs_kernel(POS, TABLE, SEQLENS, SLOTS, CU_K, COS_TABLE, SIN_TABLE, COS, SIN, TOKENS, EMBEDDING, EMBEDS,
-                        B, stride_table, D, H, stride_embedding,
+def _step_inputs_kernel(POS, TABLE, SEQLENS, SLOTS, CU_K, COS_TABLE, SIN_TABLE, COS, SIN, B, stride_table, D,
                         PAGE: tl.constexpr, BLOCK_B: tl.constexpr, HAS_ROPE: tl.constexpr, ROWS: tl.constexpr,
-                        BLOCK_D: tl.constexpr, HAS_EMBED: tl.constexpr, E_ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+                        BLOCK_D: tl.constexpr):
     pid = tl.program_id(0)
     if pid == 0:  # the per-row metadata: one program, since the prefix sum needs every row
         rows = tl.arange(0, BLOCK_B)
@@ -56,23 +50,13 @@ def _step_inputs_kernel(POS, TABLE, SEQLENS, SLOTS, CU_K, COS_TABLE, SIN_TABLE, 
         dst = rows.to(tl.int64)[:, None] * D + cols[None, :]
         tl.store(COS + dst, tl.load(COS_TABLE + src, mask=mask), mask=mask)
         tl.store(SIN + dst, tl.load(SIN_TABLE + src, mask=mask), mask=mask)
-    if HAS_EMBED:  # [E_ROWS, H] embedding rows of the tokens per program, copied bit for bit
-        rows = pid * E_ROWS + tl.arange(0, E_ROWS)
-        ok = rows < B
-        tok = tl.load(TOKENS + rows, mask=ok, other=0).to(tl.int64)
-        for h0 in range(0, H, BLOCK_H):  # names of their own: a loop may not retype the rotary part's
-            h_cols = h0 + tl.arange(0, BLOCK_H)
-            h_mask = ok[:, None] & (h_cols < H)[None, :]
-            row = tl.load(EMBEDDING + tok[:, None] * stride_embedding + h_cols[None, :], mask=h_mask)
-            tl.store(EMBEDS + rows.to(tl.int64)[:, None] * H + h_cols[None, :], row, mask=h_mask)
 
 
 def step_inputs(positions: torch.Tensor, block_table: torch.Tensor, block_size: int,
-                rope_table: tuple[torch.Tensor, torch.Tensor] | None = None, tokens: torch.Tensor | None = None,
-                embedding: torch.Tensor | None = None):
+                rope_table: tuple[torch.Tensor, torch.Tensor] | None = None):
     """``generation.decode.step_inputs_torch`` in one launch (CUDA, or the interpreter). Positions
-    past the rope table's rows and token ids past the embedding's are the caller's to rule out (the
-    runner sizes the table to its capacity; its tokens come from the model's own logits)."""
+    past the rope table's rows are the caller's to rule out (the runner sizes the table to its
+    capacity)."""
     dev = positions.device
     if positions.dim() != 1 or block_table.dim() != 2 or block_table.shape[0] != positions.numel():
         raise ValueError(f"positions {tuple(positions.shape)} and block_table {tuple(block_table.shape)} must be "
@@ -92,28 +76,12 @@ def step_inputs(positions: torch.Tensor, block_table: torch.Tensor, block_size: 
     else:
         cos_table = sin_table = cos = sin = seqlens  # never read
         d = 1
-    if (tokens is None) != (embedding is None):
-        raise ValueError("step_inputs: tokens and embedding come together (the embedding rows of the tokens)")
-    has_embed = embedding is not None
-    if has_embed:
-        if tokens.shape != positions.shape or embedding.dim() != 2 or embedding.stride(1) != 1:
-            raise ValueError(f"step_inputs: tokens {tuple(tokens.shape)} must match positions {tuple(positions.shape)} "
-                             f"and the embedding {tuple(embedding.shape)} be [vocab, hidden] with unit column stride")
-        h = embedding.shape[1]
-        embeds = torch.empty(b, h, dtype=embedding.dtype, device=dev)
-    else:
-        tokens = embedding = embeds = seqlens  # never read
-        h = 1
-    rope = None if rope_table is None else (cos, sin)
-    out_embeds = embeds if has_embed else None
     if b == 0:
         cu_k.zero_()
-        return seqlens, slots, cu_k, rope, out_embeds
-    programs = max(cdiv(b, ROPE_ROWS) if rope_table is not None else 1, cdiv(b, EMBED_ROWS) if has_embed else 1)
-    _step_inputs_kernel[(programs,)](positions, block_table, seqlens, slots, cu_k, cos_table, sin_table, cos, sin,
-                                     tokens, embedding, embeds, b, block_table.stride(0), d, h,
-                                     embedding.stride(0) if has_embed else 0, PAGE=block_size,
-                                     BLOCK_B=next_power_of_2(b), HAS_ROPE=rope_table is not None, ROWS=ROPE_ROWS,
-                                     BLOCK_D=next_power_of_2(d), HAS_EMBED=has_embed, E_ROWS=EMBED_ROWS,
-                                     BLOCK_H=min(next_power_of_2(h), 1024))
-    return seqlens, slots, cu_k, rope, out_embeds
+        return seqlens, slots, cu_k, None if rope_table is None else (cos, sin)
+    grid = (cdiv(b, ROPE_ROWS) if rope_table is not None else 1,)
+    _step_inputs_kernel[grid](positions, block_table, seqlens, slots, cu_k, cos_table, sin_table, cos, sin, b,
+                              block_table.stride(0), d, PAGE=block_size, BLOCK_B=next_power_of_2(b),
+                              HAS_ROPE=rope_table is not None, ROWS=ROPE_ROWS,
+                              BLOCK_D=next_power_of_2(d))
+    return seqlens, slots, cu_k, None if rope_table is None else (cos, sin)

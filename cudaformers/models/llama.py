@@ -62,12 +62,10 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(config)
         self.gradient_checkpointing = False
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids, positions ``[T]`` (a flat batch described by ``batch``) -> hidden ``[T, H]``;
-        ``inputs_embeds [T, H]``: the embeddings of input_ids where the caller has them already."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch) -> torch.Tensor:
+        """input_ids, positions ``[T]`` (a flat batch described by ``batch``) -> hidden ``[T, H]``."""
         batch.clear_memo()
-        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        hidden = self.embed_tokens(input_ids)
         cos, sin = batch.rope if batch.rope is not None else self.rotary_emb(positions, hidden.dtype)
         residual = None
         for layer in self.layers:

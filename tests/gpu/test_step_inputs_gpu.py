@@ -1,5 +1,5 @@
 """The decode step's one-launch inputs (kernels/step_inputs.py) on the GPU: the same bits as the torch
-path at batch 1, 32 and 256, eagerly and replayed from a CUDA graph after the positions and tokens move on."""
+path at batch 1, 32 and 256, eagerly and replayed from a CUDA graph after the positions move on."""
 
 import pytest
 import torch
@@ -17,21 +17,17 @@ def test_same_bits_eager_and_in_a_graph(rows):
     table = torch.randperm(rows * capacity // page, device="cuda", generator=g).int().view(rows, -1)
     positions = torch.randint(0, capacity - 8, (rows,), device="cuda", generator=g)
     rope = tuple(torch.randn(capacity, 128, device="cuda", generator=g).bfloat16() for _ in range(2))
-    embedding = torch.randn(151936, 1024, device="cuda", generator=g).bfloat16()
-    tokens = torch.randint(0, 151936, (rows,), device="cuda", generator=g)
 
     def check(got):
-        want = step_inputs_torch(positions, table, page, rope, tokens, embedding)
+        want = step_inputs_torch(positions, table, page, rope)
         assert all(torch.equal(a, b) for a, b in zip(got[:3], want[:3]))
         assert all(torch.equal(a, b) for a, b in zip(got[3], want[3]))
-        assert torch.equal(got[4], want[4])
 
-    check(step_inputs(positions, table, page, rope, tokens, embedding))
+    check(step_inputs(positions, table, page, rope))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = step_inputs(positions, table, page, rope, tokens, embedding)
+        out = step_inputs(positions, table, page, rope)
     for _ in range(3):
         positions += 1
-        tokens.random_(0, 151936, generator=g)
         graph.replay()
         check(out)
