@@ -198,3 +198,30 @@ def test_qlora_step_bf16():
         opt.zero_grad()
         losses.append(loss.item())
     assert losses[-1] < 0.85 * losses[0], losses
+
+
+@pytest.mark.parametrize("warps", [4, 8, 16])
+@pytest.mark.parametrize("fmt", ["int4_sym", "int4_asym"])
+@pytest.mark.parametrize("nk", [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (48, 256), (16, 128)], ids=str)
+def test_int4_mma_gemv_matches_reference(nk, fmt, warps):
+    from cudaformers.kernels.quant_gemv_mma import quant_gemv_mma, supports
+
+    n, k = nk
+    g = torch.Generator(device="cuda").manual_seed(n + k)
+    w = _packed(fmt, torch.randn(n, k, device="cuda", generator=g) * 0.02)
+    x = torch.randn(1, k, device="cuda", generator=g).bfloat16()
+    bias = torch.randn(n, device="cuda", generator=g).bfloat16() * 0.1
+    assert supports(x, w)
+    for b in (None, bias):
+        out = quant_gemv_mma(x, w, b, warps=warps)
+        assert out.dtype == torch.bfloat16 and out.shape == (1, n)
+        err, bound = _bound(out, x, w, b)
+        assert err <= bound, (err, bound)
+    # In a CUDA graph, replayed after x changes.
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = quant_gemv_mma(x, w, bias, warps=warps)
+    x.copy_(torch.randn(1, k, device="cuda", generator=g).bfloat16())
+    graph.replay()
+    err, bound = _bound(out, x, w, bias)
+    assert err <= bound, (err, bound)

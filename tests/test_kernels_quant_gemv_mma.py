@@ -1,0 +1,160 @@
+"""The int4 tensor-core GEMV (kernels/quant_gemv_mma.py) on the CPU: its PTX for one block run lane by
+lane through a small interpreter (the instructions it uses, mma with the ISA's m16n8k16 fragment
+layouts) against the plain dot product over the plane packing, and the kernel built for sm_90. The
+GPU run against ``quant_matmul_reference`` is tests/gpu/test_quant_gpu.py."""
+
+import os
+import re
+import struct
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from cudaformers.kernels.quant_gemv_mma import _block_asm
+from cudaformers.kernels.quant_matmul import pack_planes
+
+MASK32 = 0xFFFFFFFF
+
+
+def _bf16(bits: int) -> float:
+    return struct.unpack("<f", struct.pack("<I", (bits & 0xFFFF) << 16))[0]
+
+
+def _prmt(a: int, b: int, sel: int) -> int:
+    pool = (b << 32) | a  # bytes 0-3 of a, 4-7 of b
+    return sum(((pool >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
+
+
+def _mma(lanes, d, a, b, c):
+    """m16n8k16, row.col, bf16 in, f32 accumulate: gather A [16, 16], B [16, 8], C [16, 8] from the lanes'
+    registers, D = A B + C, scatter D back (PTX ISA, "Matrix Fragments for mma.m16n8k16")."""
+    A, B, C = torch.zeros(16, 16, dtype=torch.float64), torch.zeros(16, 8, dtype=torch.float64), torch.zeros(16, 8, dtype=torch.float64)
+    for lane, regs in enumerate(lanes):
+        g, t = lane // 4, lane % 4
+        for r, (row, col) in enumerate(((g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8))):
+            v = regs[a[r]]
+            A[row, col], A[row, col + 1] = _bf16(v), _bf16(v >> 16)
+        for r, k in enumerate((2 * t, 2 * t + 8)):
+            v = regs[b[r]]
+            B[k, g], B[k + 1, g] = _bf16(v), _bf16(v >> 16)
+        for r, (row, col) in enumerate(((g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1))):
+            C[row, col] = regs[c[r]]
+    D = A @ B + C
+    for lane, regs in enumerate(lanes):
+        g, t = lane // 4, lane % 4
+        for r, (row, col) in enumerate(((g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1))):
+            regs[d[r]] = float(D[row, col])
+
+
+def run_lanes(asm: str, inputs: list[list[int]], n_out: int) -> list[list[float]]:
+    """Executes ``asm`` for the 32 lanes of a warp in lockstep; ``inputs[lane]`` are the 64-bit values of
+    $n_out.. . Returns each lane's outputs $0..$n_out-1. Knows exactly the instructions the kernel uses."""
+    lanes = [{f"${n_out + i}": v for i, v in enumerate(args)} for args in inputs]
+    regs = lambda s: [r.strip() for r in s.strip("{} ").split(",")]  # noqa: E731
+    for line in asm.splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line in "{}" or line.startswith(".reg"):
+            continue
+        op, rest = line.split(None, 1)
+        if op == "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32":
+            d, a, b, c = re.findall(r"\{[^}]*\}", rest)
+            _mma(lanes, regs(d), regs(a), regs(b), regs(c))
+            continue
+        for st in lanes:
+            if op == "mov.b64":
+                lo, hi = regs(rest.split("},")[0] + "}")
+                v = st[rest.split("},")[1].strip()]
+                st[lo], st[hi] = v & MASK32, (v >> 32) & MASK32
+            elif op in ("mov.b32", "mov.f32"):
+                dst, src = regs(rest)
+                if src.startswith("0f"):
+                    st[dst] = struct.unpack("<f", struct.pack("<I", int(src[2:], 16)))[0]
+                elif src.startswith("0x"):
+                    st[dst] = int(src, 16)
+                else:
+                    st[dst] = st[src]
+            elif op == "shr.u32":
+                dst, src, n = regs(rest)
+                st[dst] = st[src] >> int(n)
+            elif op == "lop3.b32":
+                dst, x, y, z, lut = regs(rest)
+                assert lut == "0xEA"  # (x & y) | z, the only function the kernel asks for
+                st[dst] = (st[x] & int(y, 16)) | int(z, 16)
+            elif op == "prmt.b32":
+                dst, x, y, sel = regs(rest)
+                st[dst] = _prmt(st[x], st[y], int(sel, 16))
+            else:
+                raise AssertionError(f"the interpreter does not know {op!r}")
+    return [[st[f"${i}"] for i in range(n_out)] for st in lanes]
+
+
+def _i64(values: list[int], bits: int) -> int:
+    return sum((v & ((1 << bits) - 1)) << (bits * i) for i, v in enumerate(values))
+
+
+def _block_case(seed: int, asm: str):
+    """(each lane's outputs of ``asm``, the dots of the 16 rows, the sum of x) for one random block."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (16, 128), generator=g)
+    if seed == 1:
+        codes[3] = 15  # extremes: every code of a row at the top or the bottom
+        codes[11] = 0
+    x = torch.randn(128, generator=g).bfloat16()
+    words = pack_planes(codes, 128, 4).view(torch.int32).reshape(16, 16).tolist()  # [row, word]
+    xbits = x.view(torch.int16).tolist()
+    inputs = []
+    for lane in range(32):  # what the kernel's loads put in each lane
+        gg, t = lane // 4, lane % 4
+        rows = [_i64(words[r][4 * t + h: 4 * t + h + 2], 32) for r in (gg, gg + 8) for h in (0, 2)]
+        inputs.append(rows + [_i64(xbits[16 * j + 4 * t: 16 * j + 4 * t + 4], 16) for j in range(8)])
+    xf = x.double()
+    return run_lanes(asm, inputs, 3), ((codes.double() + 128) * xf).sum(1), float(xf.sum())
+
+
+def _matches(out, want, xsum) -> bool:
+    close = lambda a, b: abs(a - b) <= 1e-9 + 1e-12 * abs(b)  # noqa: E731
+    return all(close(dg, float(want[lane // 4])) and close(dh, float(want[lane // 4 + 8])) and close(s, xsum)
+               for lane, (dg, dh, s) in enumerate(out))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_block_ptx_is_the_dot_product_over_the_plane_packing(seed):
+    assert _matches(*_block_case(seed, _block_asm()))
+
+
+@pytest.mark.parametrize("change", [("mov.b64 {w0, w1}, $3;", "mov.b64 {w1, w0}, $3;"),  # two words of a lane
+                                    ("0x7632;", "0x5410;"),  # the wrong halves of x
+                                    ("{pa, pb, pc, pd}", "{pa, pc, pb, pd}")])  # fragment registers out of order
+def test_the_check_catches_a_wrong_block(change):
+    assert not _matches(*_block_case(0, _block_asm().replace(*change)))
+
+
+_COMPILE = """
+import sys, torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from cudaformers.kernels import quant_gemv_mma as m
+sig = dict(x_ptr="*i64", q_ptr="*i64", s_ptr="*bf16", z_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16", n_blocks="i32",
+           ld_q="i32", WARPS="constexpr", HAS_ZEROS="constexpr", HAS_BIAS="constexpr", USE_PDL="constexpr")
+for zeros in (False, True):
+    src = ASTSource(m._kernel, sig, dict(WARPS=m.WARPS, HAS_ZEROS=zeros, HAS_BIAS=zeros, USE_PDL=True),
+                    {(i,): [["tt.divisibility", 16]] for i in range(6)})
+    c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=m.WARPS))
+    ptx = c.asm["ptx"]
+    print(ptx.count("mma.sync.aligned.m16n8k16"), ptx.count("st.shared"), len(c.asm["cubin"]))
+"""
+
+
+def test_the_kernel_builds_for_hopper_with_mma_from_registers():
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=600, cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for line in done.stdout.strip().splitlines()[-2:]:
+        mmas, shared_stores, cubin = map(int, line.split())
+        # 16 mma per block, inlined twice (the loop and the last block); the loop moves nothing through
+        # shared memory (only the final sum over warps does)
+        assert mmas == 32 and cubin > 0
+        assert shared_stores <= 4
