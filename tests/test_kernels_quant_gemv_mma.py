@@ -139,9 +139,9 @@ from cudaformers.kernels import quant_gemv_mma as m
 sig = dict(x_ptr="*i64", q_ptr="*i64", s_ptr="*bf16", z_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16", n_blocks="i32",
            ld_q="i32", WARPS="constexpr", HAS_ZEROS="constexpr", HAS_BIAS="constexpr", USE_PDL="constexpr")
 for zeros in (False, True):
-    src = ASTSource(m._kernel, sig, dict(WARPS=m.WARPS, HAS_ZEROS=zeros, HAS_BIAS=zeros, USE_PDL=True),
+    src = ASTSource(m._kernel, sig, dict(WARPS=8, HAS_ZEROS=zeros, HAS_BIAS=zeros, USE_PDL=True),
                     {(i,): [["tt.divisibility", 16]] for i in range(6)})
-    c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=m.WARPS))
+    c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
     ptx = c.asm["ptx"]
     print(ptx.count("mma.sync.aligned.m16n8k16"), ptx.count("st.shared"), len(c.asm["cubin"]))
 """

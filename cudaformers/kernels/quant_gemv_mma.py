@@ -40,7 +40,6 @@ from .pdl import pdl_enabled, release_dependents, wait_for_producer
 from .quant_matmul import PackedWeight
 
 GROUP = 128  # elements per block: 16 words of 8 codes
-WARPS = 8  # warps per program, each a share of the blocks of the program's 16 rows
 
 
 def _block_asm() -> str:
@@ -168,26 +167,36 @@ def _kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, n_blocks, ld_q, WARPS: t
 def supports(x: torch.Tensor, w: PackedWeight) -> bool:
     """One row of bf16 x on a GPU with bf16 mma (sm_80+), int4 in groups of 128 (single-level
     scales), whole 16-row tiles."""
-    return (x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] == 1 and w.fmt == "int4"
-            and w.group_size == GROUP and w.scales2 is None and w.out_features % 16 == 0
-            and w.in_features == w.n_blocks * GROUP and torch.cuda.get_device_capability(x.device)[0] >= 8)
+    return (x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1
+            and x.data_ptr() % 16 == 0 and w.fmt == "int4" and w.group_size == GROUP and w.scales2 is None
+            and w.out_features % 16 == 0 and w.in_features == w.n_blocks * GROUP and w.qweight.data_ptr() % 16 == 0
+            and torch.cuda.get_device_capability(x.device)[0] >= 8)
+
+
+def default_warps(n: int, device: torch.device) -> int:
+    """Warps per program: 16 where the 16-row programs are at most two per SM (qwen3-8b's o and down on
+    an H200: 5.8 / 12.2 us against 6.4 / 14.9 with 8), else 8 (q/k/v 7.7 against 10.2, gate/up 20.9
+    against 28.3). More warps put more of a program's blocks in flight at once (bench/quant_gemv_mma.py,
+    bench/RESULTS.md run 21)."""
+    return 16 if n // 16 <= 2 * torch.cuda.get_device_properties(device).multi_processor_count else 8
 
 
 def quant_gemv_mma(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None,
                    warps: int | None = None) -> torch.Tensor:
-    """``x [1, K]`` bf16 -> ``[1, N]`` bf16, bias added; see ``supports``. ``warps`` overrides ``WARPS``."""
+    """``x [1, K]`` bf16 -> ``[1, N]`` bf16, bias added; see ``supports``. ``warps`` overrides
+    ``default_warps`` (benchmarks)."""
     if not supports(x, w):
         raise ValueError(f"quant_gemv_mma: needs one contiguous row of bf16 x on a GPU of compute capability 8.0+ "
                          f"and int4 weights in groups of {GROUP} with whole 16-row tiles; got x {tuple(x.shape)} "
                          f"{x.dtype} on {x.device}, {w.fmt} group {w.group_size}, {w.out_features} rows")
-    x = x.contiguous()
     n = w.out_features
+    warps = warps or default_warps(n, x.device)
     words = w.qweight.view(torch.int64)
     out = torch.empty(1, n, device=x.device, dtype=x.dtype)
     pdl = pdl_enabled(x.device)
     _kernel[(n // 16,)](x.view(torch.int64), words, w.scales, w.zeros if w.zeros is not None else w.scales,
-                        bias if bias is not None else out, out, w.n_blocks, words.stride(0), WARPS=warps or WARPS,
-                        HAS_ZEROS=w.zeros is not None, HAS_BIAS=bias is not None, USE_PDL=pdl, num_warps=warps or WARPS,
+                        bias if bias is not None else out, out, w.n_blocks, words.stride(0), WARPS=warps,
+                        HAS_ZEROS=w.zeros is not None, HAS_BIAS=bias is not None, USE_PDL=pdl, num_warps=warps,
                         launch_pdl=pdl)
     return out
 

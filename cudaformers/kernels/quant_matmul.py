@@ -42,6 +42,9 @@ INT8_BLOCK = 64  # int8 packing block (elements): 16 words of 4 codes
 # Up to 16 rows of x, int4 (groups >= 128) and int8 run the tensor-core kernel of quant_mma.py; False
 # keeps them on the FMA GEMV / tl.dot kernels (benchmarks compare the two).
 USE_MMA = True
+# One row of bf16 x against int4 in groups of 128 runs quant_gemv_mma.py's kernel (codes decoded
+# straight into mma fragments) where USE_MMA holds; False: quant_mma.py's tl.dot kernel, as before.
+USE_FRAGMENT_GEMV = True
 
 
 @dataclass
@@ -274,6 +277,11 @@ def quant_matmul_triton(x: torch.Tensor, w: PackedWeight, bias=None) -> torch.Te
     check_packed(w)
     if x.stride(-1) != 1:
         x = x.contiguous()
+    if USE_MMA and USE_FRAGMENT_GEMV and m == 1 and x.is_cuda:
+        from .quant_gemv_mma import quant_gemv_mma, supports
+
+        if supports(x, w):
+            return quant_gemv_mma(x, w, bias)
     if USE_MMA:
         from . import quant_mma
 
