@@ -57,9 +57,9 @@ def main() -> None:
             "int4 dispatch today": time_calls([lambda w=w: qm.quant_matmul_triton(x, w) for w in ws]),
             "int4 FMA GEMV": time_calls([lambda w=w: quant_gemv(x, w) for w in ws]),
         }
-        for warps in (4, 8, 16):
-            rows[f"int4 mma GEMV, {warps} warps"] = time_calls([lambda w=w, nw=warps: quant_gemv_mma(x, w, warps=nw)
-                                                                for w in ws])
+        for warps, per_warp in ((8, 1), (16, 1), (4, 2), (8, 2), (16, 2)):
+            rows[f"int4 mma GEMV, {warps}w x {per_warp}t"] = time_calls(
+                [lambda w=w, c=(warps, per_warp): quant_gemv_mma(x, w, tiles=c) for w in ws])
         ref = qm.quant_matmul_reference(x.float(), packed)
         err = (quant_gemv_mma(x, packed).float() - ref).abs().max().item()
         print(f"{name} {n}x{k}: int4 {nbytes / 1e6:.1f} MB; mma GEMV max error {err:.2e} (|ref| max {ref.abs().max():.2f})")

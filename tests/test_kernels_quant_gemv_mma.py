@@ -30,7 +30,8 @@ def _prmt(a: int, b: int, sel: int) -> int:
 def _mma(lanes, d, a, b, c):
     """m16n8k16, row.col, bf16 in, f32 accumulate: gather A [16, 16], B [16, 8], C [16, 8] from the lanes'
     registers, D = A B + C, scatter D back (PTX ISA, "Matrix Fragments for mma.m16n8k16")."""
-    A, B, C = torch.zeros(16, 16, dtype=torch.float64), torch.zeros(16, 8, dtype=torch.float64), torch.zeros(16, 8, dtype=torch.float64)
+    A = torch.zeros(16, 16, dtype=torch.float64)
+    B, C = torch.zeros(16, 8, dtype=torch.float64), torch.zeros(16, 8, dtype=torch.float64)
     for lane, regs in enumerate(lanes):
         g, t = lane // 4, lane % 4
         for r, (row, col) in enumerate(((g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8))):
@@ -94,41 +95,52 @@ def _i64(values: list[int], bits: int) -> int:
     return sum((v & ((1 << bits) - 1)) << (bits * i) for i, v in enumerate(values))
 
 
-def _block_case(seed: int, asm: str):
-    """(each lane's outputs of ``asm``, the dots of the 16 rows, the sum of x) for one random block."""
+def _block_case(seed: int, tiles: int, asm: str):
+    """(each lane's outputs of ``asm``, the dots of the 16 * tiles rows, the sum of x) for one random block."""
     g = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 16, (16, 128), generator=g)
+    rows = 16 * tiles
+    codes = torch.randint(0, 16, (rows, 128), generator=g)
     if seed == 1:
         codes[3] = 15  # extremes: every code of a row at the top or the bottom
-        codes[11] = 0
+        codes[rows - 5] = 0
     x = torch.randn(128, generator=g).bfloat16()
-    words = pack_planes(codes, 128, 4).view(torch.int32).reshape(16, 16).tolist()  # [row, word]
+    words = pack_planes(codes, 128, 4).view(torch.int32).reshape(rows, 16).tolist()  # [row, word]
     xbits = x.view(torch.int16).tolist()
     inputs = []
     for lane in range(32):  # what the kernel's loads put in each lane
         gg, t = lane // 4, lane % 4
-        rows = [_i64(words[r][4 * t + h: 4 * t + h + 2], 32) for r in (gg, gg + 8) for h in (0, 2)]
-        inputs.append(rows + [_i64(xbits[16 * j + 4 * t: 16 * j + 4 * t + 4], 16) for j in range(8)])
+        mine = [gg + 8 * i for i in range(2 * tiles)]  # rows g, g + 8 (g + 16, g + 24)
+        ins = [_i64(words[r][4 * t + h: 4 * t + h + 2], 32) for r in mine for h in (0, 2)]
+        inputs.append(ins + [_i64(xbits[16 * j + 4 * t: 16 * j + 4 * t + 4], 16) for j in range(8)])
     xf = x.double()
-    return run_lanes(asm, inputs, 3), ((codes.double() + 128) * xf).sum(1), float(xf.sum())
+    return run_lanes(asm, inputs, 2 * tiles + 1), ((codes.double() + 128) * xf).sum(1), float(xf.sum())
 
 
 def _matches(out, want, xsum) -> bool:
     close = lambda a, b: abs(a - b) <= 1e-9 + 1e-12 * abs(b)  # noqa: E731
-    return all(close(dg, float(want[lane // 4])) and close(dh, float(want[lane // 4 + 8])) and close(s, xsum)
-               for lane, (dg, dh, s) in enumerate(out))
+    return all(close(s, xsum) and all(close(d, float(want[lane // 4 + 8 * i])) for i, d in enumerate(dots))
+               for lane, (*dots, s) in enumerate(out))
 
 
+@pytest.mark.parametrize("tiles", [1, 2])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_block_ptx_is_the_dot_product_over_the_plane_packing(seed):
-    assert _matches(*_block_case(seed, _block_asm()))
+def test_block_ptx_is_the_dot_product_over_the_plane_packing(seed, tiles):
+    assert _matches(*_block_case(seed, tiles, _block_asm(tiles)))
 
 
-@pytest.mark.parametrize("change", [("mov.b64 {w0, w1}, $3;", "mov.b64 {w1, w0}, $3;"),  # two words of a lane
+@pytest.mark.parametrize("change", [("mov.b64 {w0_0, w0_1}, $3;", "mov.b64 {w0_1, w0_0}, $3;"),  # two words
                                     ("0x7632;", "0x5410;"),  # the wrong halves of x
-                                    ("{pa, pb, pc, pd}", "{pa, pc, pb, pd}")])  # fragment registers out of order
+                                    ("{pa, pb, pc, pd}", "{pa, pc, pb, pd}"),  # fragment registers out of order
+                                    ("$1, c0_2", "$1, c0_1")])  # the wrong accumulator out
 def test_the_check_catches_a_wrong_block(change):
-    assert not _matches(*_block_case(0, _block_asm().replace(*change)))
+    assert change[0] in _block_asm(1)
+    assert not _matches(*_block_case(0, 1, _block_asm(1).replace(*change)))
+
+
+def test_the_check_catches_a_wrong_second_tile():
+    asm = _block_asm(2)
+    assert "mov.b64 {v1_2, v1_3}, $12;" in asm
+    assert not _matches(*_block_case(0, 2, asm.replace("mov.b64 {v1_2, v1_3}, $12;", "mov.b64 {v1_3, v1_2}, $12;")))
 
 
 _COMPILE = """
@@ -137,24 +149,26 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from cudaformers.kernels import quant_gemv_mma as m
 sig = dict(x_ptr="*i64", q_ptr="*i64", s_ptr="*bf16", z_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16", n_blocks="i32",
-           ld_q="i32", WARPS="constexpr", HAS_ZEROS="constexpr", HAS_BIAS="constexpr", USE_PDL="constexpr")
-for zeros in (False, True):
-    src = ASTSource(m._kernel, sig, dict(WARPS=8, HAS_ZEROS=zeros, HAS_BIAS=zeros, USE_PDL=True),
+           ld_q="i32", WARPS="constexpr", TILES="constexpr", HAS_ZEROS="constexpr", HAS_BIAS="constexpr",
+           USE_PDL="constexpr")
+for zeros, tiles in ((False, 1), (True, 1), (True, 2)):
+    src = ASTSource(m._kernel, sig, dict(WARPS=8, TILES=tiles, HAS_ZEROS=zeros, HAS_BIAS=zeros, USE_PDL=True),
                     {(i,): [["tt.divisibility", 16]] for i in range(6)})
     c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
     ptx = c.asm["ptx"]
-    print(ptx.count("mma.sync.aligned.m16n8k16"), ptx.count("st.shared"), len(c.asm["cubin"]))
+    print(tiles, ptx.count("mma.sync.aligned.m16n8k16"), ptx.count("st.shared"), len(c.asm["cubin"]))
 """
 
 
 def test_the_kernel_builds_for_hopper_with_mma_from_registers():
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=600, cwd=root)
+    done = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=root)
     assert done.returncode == 0, done.stderr[-3000:]
-    for line in done.stdout.strip().splitlines()[-2:]:
-        mmas, shared_stores, cubin = map(int, line.split())
-        # 16 mma per block, inlined twice (the loop and the last block); the loop moves nothing through
-        # shared memory (only the final sum over warps does)
-        assert mmas == 32 and cubin > 0
-        assert shared_stores <= 4
+    for line in done.stdout.strip().splitlines()[-3:]:
+        tiles, mmas, shared_stores, cubin = map(int, line.split())
+        # 8 mma per tile and 8 for the sum of x per block, inlined twice (the loop and the last block);
+        # the loop moves nothing through shared memory (only the final sums over warps do)
+        assert mmas == 2 * 8 * (tiles + 1) and cubin > 0
+        assert shared_stores <= 4 * tiles

@@ -42,14 +42,23 @@ from .quant_matmul import PackedWeight
 GROUP = 128  # elements per block: 16 words of 8 codes
 
 
-def _block_asm() -> str:
-    """PTX for one block of one lane: inputs $3..$6 the lane's 4 words of rows g and g + 8 (two int64
-    each), $7..$14 x[16 j + 4 t .. + 3] for j = 0..7 (int64 each); outputs $0 the dot of row g, $1 of row
-    g + 8 (both biased by 128 per code, see the module docstring), $2 the block's sum of x."""
-    lines = ["{", ".reg .b32 w<4>, v<4>, xa<16>, pa, pb, pc, pd, b0, b1, sh, one;", ".reg .f32 c<4>, s<4>;",
-             "mov.b64 {w0, w1}, $3;", "mov.b64 {w2, w3}, $4;", "mov.b64 {v0, v1}, $5;", "mov.b64 {v2, v3}, $6;"]
-    lines += [f"mov.b64 {{xa{2 * j}, xa{2 * j + 1}}}, ${7 + j};" for j in range(8)]
-    lines += [f"mov.f32 {r}{i}, 0f00000000;" for r in "cs" for i in range(4)]
+def _block_asm(tiles: int = 1) -> str:
+    """PTX for one block of one lane over ``tiles`` 16-row tiles. Inputs (after the 2 * tiles + 1 outputs):
+    per tile the lane's 4 words of rows g and g + 8 (two int64 each), then x[16 j + 4 t .. + 3] for
+    j = 0..7 (int64 each). Outputs: per tile the dots of rows g and g + 8 (biased by 128 per code, see
+    the module docstring), then the block's sum of x."""
+    first = 2 * tiles + 1  # the first input operand
+    lines = ["{", f".reg .b32 {', '.join(f'w{u}_<4>, v{u}_<4>' for u in range(tiles))};",
+             ".reg .b32 xa<16>, pa, pb, pc, pd, b0, b1, sh, one;",
+             f".reg .f32 {', '.join(f'c{u}_<4>' for u in range(tiles))}, s<4>;"]
+    for u in range(tiles):
+        op = first + 4 * u
+        lines += [f"mov.b64 {{w{u}_0, w{u}_1}}, ${op};", f"mov.b64 {{w{u}_2, w{u}_3}}, ${op + 1};",
+                  f"mov.b64 {{v{u}_0, v{u}_1}}, ${op + 2};", f"mov.b64 {{v{u}_2, v{u}_3}}, ${op + 3};"]
+    xs = first + 4 * tiles
+    lines += [f"mov.b64 {{xa{2 * j}, xa{2 * j + 1}}}, ${xs + j};" for j in range(8)]
+    lines += [f"mov.f32 c{u}_{i}, 0f00000000;" for u in range(tiles) for i in range(4)]
+    lines += [f"mov.f32 s{i}, 0f00000000;" for i in range(4)]
     lines.append("mov.b32 one, 0x3F803F80;")
 
     def pair(word: str, p: int, out: str) -> list[str]:
@@ -62,106 +71,132 @@ def _block_asm() -> str:
         ops.append(f"lop3.b32 {out}, {src}, 0x000F000F, 0x43004300, 0xEA;")
         return ops
 
+    mma = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
     for r in range(4):  # word 4t + r of the lane
         sel = "0x7632" if r % 2 else "0x5410"  # the high or low bf16 of each 4-byte piece of x
         for m in range(2):  # codes (2m, 2m + 4) and (2m + 1, 2m + 5) of the word
-            lines += pair(f"w{r}", 2 * m, "pa") + pair(f"v{r}", 2 * m, "pb")
-            lines += pair(f"w{r}", 2 * m + 1, "pc") + pair(f"v{r}", 2 * m + 1, "pd")
             lines.append(f"prmt.b32 b0, xa{4 * m + r // 2}, xa{4 * m + 8 + r // 2}, {sel};")
             lines.append(f"prmt.b32 b1, xa{4 * m + 2 + r // 2}, xa{4 * m + 10 + r // 2}, {sel};")
-            lines.append("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {c0, c1, c2, c3}, "
-                         "{pa, pb, pc, pd}, {b0, b1}, {c0, c1, c2, c3};")
-            lines.append("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {s0, s1, s2, s3}, "
-                         "{one, one, one, one}, {b0, b1}, {s0, s1, s2, s3};")
-    lines += ["mov.f32 $0, c0;", "mov.f32 $1, c2;", "mov.f32 $2, s0;", "}"]
+            for u in range(tiles):
+                lines += pair(f"w{u}_{r}", 2 * m, "pa") + pair(f"v{u}_{r}", 2 * m, "pb")
+                lines += pair(f"w{u}_{r}", 2 * m + 1, "pc") + pair(f"v{u}_{r}", 2 * m + 1, "pd")
+                c = ", ".join(f"c{u}_{i}" for i in range(4))
+                lines.append(f"{mma} {{{c}}}, {{pa, pb, pc, pd}}, {{b0, b1}}, {{{c}}};")
+            lines.append(f"{mma} {{s0, s1, s2, s3}}, {{one, one, one, one}}, {{b0, b1}}, {{s0, s1, s2, s3}};")
+    for u in range(tiles):
+        lines += [f"mov.f32 ${2 * u}, c{u}_0;", f"mov.f32 ${2 * u + 1}, c{u}_2;"]
+    lines += [f"mov.f32 ${2 * tiles}, s0;", "}"]
     return "\n".join(lines)
 
 
-BLOCK_ASM = tl.constexpr(_block_asm())
+BLOCK_ASM = tl.constexpr(_block_asm(1))
+BLOCK_ASM2 = tl.constexpr(_block_asm(2))
 
 
 @triton.jit
-def _words(at_g, at_h, ok):
-    """The lane's 4 words of a block in rows g and g + 8, as two int64 each (weights: may be requested
-    before the previous kernel has finished)."""
-    return (tl.load(at_g, mask=ok, other=0), tl.load(at_g + 1, mask=ok, other=0),
-            tl.load(at_h, mask=ok, other=0), tl.load(at_h + 1, mask=ok, other=0))
+def _words(at, ld_q, ok, TILES: tl.constexpr):
+    """The lane's 4 words of a block in rows g, g + 8 (and g + 16, g + 24 with two tiles), as two int64
+    a row (weights: may be requested before the previous kernel has finished)."""
+    w0 = tl.load(at, mask=ok, other=0)
+    w1 = tl.load(at + 1, mask=ok, other=0)
+    w2 = tl.load(at + 8 * ld_q, mask=ok, other=0)
+    w3 = tl.load(at + 8 * ld_q + 1, mask=ok, other=0)
+    if TILES == 2:
+        w4 = tl.load(at + 16 * ld_q, mask=ok, other=0)
+        w5 = tl.load(at + 16 * ld_q + 1, mask=ok, other=0)
+        w6 = tl.load(at + 24 * ld_q, mask=ok, other=0)
+        w7 = tl.load(at + 24 * ld_q + 1, mask=ok, other=0)
+    else:  # not read
+        w4, w5, w6, w7 = w0, w1, w2, w3
+    return w0, w1, w2, w3, w4, w5, w6, w7
 
 
 @triton.jit
-def _block(words, xb, sg, sh, zg, zh, ok, acc_g, acc_h, HAS_ZEROS: tl.constexpr):
-    """``acc += s * (w - z) . x`` over one block for rows g and g + 8 of the lane; ``xb`` points at the
-    lane's first 4-element piece of x in the block (x as int64), ``sg``/``sh`` (``zg``/``zh``) at the
-    rows' scales (zero points) of the block."""
-    dg, dh, xs = tl.inline_asm_elementwise(
-        BLOCK_ASM, "=f,=f,=f,l,l,l,l,l,l,l,l,l,l,l,l",
-        [words[0], words[1], words[2], words[3],
-         tl.load(xb, mask=ok, other=0), tl.load(xb + 4, mask=ok, other=0), tl.load(xb + 8, mask=ok, other=0),
-         tl.load(xb + 12, mask=ok, other=0), tl.load(xb + 16, mask=ok, other=0), tl.load(xb + 20, mask=ok, other=0),
-         tl.load(xb + 24, mask=ok, other=0), tl.load(xb + 28, mask=ok, other=0)],
-        dtype=(tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
-    s_g = tl.load(sg, mask=ok, other=0).to(tl.float32)
-    s_h = tl.load(sh, mask=ok, other=0).to(tl.float32)
+def _scaled(d, xs, s_at, z_at, ok, HAS_ZEROS: tl.constexpr):
+    """``s * (d - (128 + z) * sum(x))``: a row's share of one block, its codes' bias and zero point off."""
+    scale = tl.load(s_at, mask=ok, other=0).to(tl.float32)
     if HAS_ZEROS:
-        z_g = tl.load(zg, mask=ok, other=0).to(tl.float32)
-        z_h = tl.load(zh, mask=ok, other=0).to(tl.float32)
+        zero = tl.load(z_at, mask=ok, other=0).to(tl.float32)
     else:
-        z_g = 8.0
-        z_h = 8.0
-    acc_g += s_g * (dg - (128.0 + z_g) * xs)
-    acc_h += s_h * (dh - (128.0 + z_h) * xs)
-    return acc_g, acc_h
+        zero = 8.0
+    return scale * (d - (128.0 + zero) * xs)
 
 
 @triton.jit
-def _kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, n_blocks, ld_q, WARPS: tl.constexpr, HAS_ZEROS: tl.constexpr,
-            HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr):
+def _block(w, xb, s_at, z_at, n_blocks, ok, acc, HAS_ZEROS: tl.constexpr, TILES: tl.constexpr):
+    """``acc += s * (w - z) . x`` over one block for the lane's rows g, g + 8 (g + 16, g + 24); ``xb``
+    points at the lane's first 4-element piece of x in the block (x as int64), ``s_at``/``z_at`` at row
+    g's scale (zero point) of the block."""
+    x = (tl.load(xb, mask=ok, other=0), tl.load(xb + 4, mask=ok, other=0), tl.load(xb + 8, mask=ok, other=0),
+         tl.load(xb + 12, mask=ok, other=0), tl.load(xb + 16, mask=ok, other=0),
+         tl.load(xb + 20, mask=ok, other=0), tl.load(xb + 24, mask=ok, other=0),
+         tl.load(xb + 28, mask=ok, other=0))
+    if TILES == 2:
+        d0, d1, d2, d3, xs = tl.inline_asm_elementwise(
+            BLOCK_ASM2, "=f,=f,=f,=f,=f" + ",l" * 16,
+            [w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7], x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7]],
+            dtype=(tl.float32, tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+        acc2 = acc[2] + _scaled(d2, xs, s_at + 16 * n_blocks, z_at + 16 * n_blocks, ok, HAS_ZEROS)
+        acc3 = acc[3] + _scaled(d3, xs, s_at + 24 * n_blocks, z_at + 24 * n_blocks, ok, HAS_ZEROS)
+    else:
+        d0, d1, xs = tl.inline_asm_elementwise(
+            BLOCK_ASM, "=f,=f,=f" + ",l" * 12, [w[0], w[1], w[2], w[3], x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7]],
+            dtype=(tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+        acc2, acc3 = acc[2], acc[3]
+    acc0 = acc[0] + _scaled(d0, xs, s_at, z_at, ok, HAS_ZEROS)
+    acc1 = acc[1] + _scaled(d1, xs, s_at + 8 * n_blocks, z_at + 8 * n_blocks, ok, HAS_ZEROS)
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _store(acc, b_ptr, out_ptr, row0, WARPS: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Rows ``row0 + lane // 4`` from the warps' shares: every t of a row holds its dot (all 8 mma
+    columns are alike), so t = 0 stores."""
+    out = tl.sum(tl.reshape(acc, [WARPS, 32]), axis=0)
+    lanes = tl.arange(0, 32)
+    rows = row0 + lanes // 4
+    if HAS_BIAS:
+        out += tl.load(b_ptr + rows).to(tl.float32)
+    tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=lanes % 4 == 0)
+
+
+@triton.jit
+def _kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, n_blocks, ld_q, WARPS: tl.constexpr, TILES: tl.constexpr,
+            HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr):
     # One element per lane: [32 * WARPS] tensors are laid out one per thread, element e on thread e.
     e = tl.arange(0, 32 * WARPS)
     lane = e % 32
     warp = e // 32  # warp w takes blocks w, w + WARPS, ...
-    g = lane // 4
     t = lane % 4
-    row_g = tl.program_id(0) * 16 + g
+    row0 = tl.program_id(0) * 16 * TILES
+    row_g = row0 + lane // 4
     # Pointers at the warp's first block, moved on by WARPS blocks a step: 8 int64 of words a row, 32 of
-    # x (4 bf16 each; piece j of the lane at 4j + t), one scale a row.
-    wg = q_ptr + row_g.to(tl.int64) * ld_q + warp * 8 + 2 * t
-    wh = wg + 8 * ld_q
+    # x (4 bf16 each; piece j of the lane at 4j + t), one scale (zero point) a row.
+    at = q_ptr + row_g.to(tl.int64) * ld_q + warp * 8 + 2 * t
     xb = x_ptr + warp * 32 + t
-    sg = s_ptr + row_g * n_blocks + warp
-    sh = sg + 8 * n_blocks
-    zg = z_ptr + row_g * n_blocks + warp
-    zh = zg + 8 * n_blocks
-    acc_g = tl.zeros([32 * WARPS], tl.float32)
-    acc_h = tl.zeros([32 * WARPS], tl.float32)
+    s_at = s_ptr + row_g * n_blocks + warp
+    z_at = z_ptr + row_g * n_blocks + warp
+    zero = tl.zeros([32 * WARPS], tl.float32)
+    acc = (zero, zero, zero, zero)
     ok = warp < n_blocks
-    words = _words(wg, wh, ok)
+    words = _words(at, ld_q, ok, TILES)
     wait_for_producer(USE_PDL)
     release_dependents(USE_PDL)
     for step in range(1, tl.cdiv(n_blocks, WARPS)):
         ahead_ok = warp + step * WARPS < n_blocks
-        ahead = _words(wg + 8 * WARPS, wh + 8 * WARPS, ahead_ok)  # requested before this block is worked on
-        acc_g, acc_h = _block(words, xb, sg, sh, zg, zh, ok, acc_g, acc_h, HAS_ZEROS)
+        ahead = _words(at + 8 * WARPS, ld_q, ahead_ok, TILES)  # requested before this block is worked on
+        acc = _block(words, xb, s_at, z_at, n_blocks, ok, acc, HAS_ZEROS, TILES)
         words, ok = ahead, ahead_ok
-        wg += 8 * WARPS
-        wh += 8 * WARPS
+        at += 8 * WARPS
         xb += 32 * WARPS
-        sg += WARPS
-        sh += WARPS
-        zg += WARPS
-        zh += WARPS
-    acc_g, acc_h = _block(words, xb, sg, sh, zg, zh, ok, acc_g, acc_h, HAS_ZEROS)
-    # Sum the warps' shares; every t of a row holds its dot (all 8 mma columns are alike): t = 0 stores.
-    out_g = tl.sum(tl.reshape(acc_g, [WARPS, 32]), axis=0)
-    out_h = tl.sum(tl.reshape(acc_h, [WARPS, 32]), axis=0)
-    lanes = tl.arange(0, 32)
-    rows = tl.program_id(0) * 16 + lanes // 4
-    if HAS_BIAS:
-        out_g += tl.load(b_ptr + rows).to(tl.float32)
-        out_h += tl.load(b_ptr + rows + 8).to(tl.float32)
-    store = lanes % 4 == 0
-    tl.store(out_ptr + rows, out_g.to(out_ptr.dtype.element_ty), mask=store)
-    tl.store(out_ptr + rows + 8, out_h.to(out_ptr.dtype.element_ty), mask=store)
+        s_at += WARPS
+        z_at += WARPS
+    acc = _block(words, xb, s_at, z_at, n_blocks, ok, acc, HAS_ZEROS, TILES)
+    _store(acc[0], b_ptr, out_ptr, row0, WARPS, HAS_BIAS)
+    _store(acc[1], b_ptr, out_ptr, row0 + 8, WARPS, HAS_BIAS)
+    if TILES == 2:
+        _store(acc[2], b_ptr, out_ptr, row0 + 16, WARPS, HAS_BIAS)
+        _store(acc[3], b_ptr, out_ptr, row0 + 24, WARPS, HAS_BIAS)
 
 
 def supports(x: torch.Tensor, w: PackedWeight) -> bool:
@@ -173,30 +208,34 @@ def supports(x: torch.Tensor, w: PackedWeight) -> bool:
             and torch.cuda.get_device_capability(x.device)[0] >= 8)
 
 
-def default_warps(n: int, device: torch.device) -> int:
-    """Warps per program: 16 where the 16-row programs are at most two per SM (qwen3-8b's o and down on
-    an H200: 5.8 / 12.2 us against 6.4 / 14.9 with 8), else 8 (q/k/v 7.7 against 10.2, gate/up 20.9
-    against 28.3). More warps put more of a program's blocks in flight at once (bench/quant_gemv_mma.py,
-    bench/RESULTS.md run 21)."""
-    return 16 if n // 16 <= 2 * torch.cuda.get_device_properties(device).multi_processor_count else 8
+def default_tiles(n: int, device: torch.device) -> tuple[int, int]:
+    """(warps per program, 16-row tiles per warp): 16 warps where the 16-row programs are at most two
+    per SM (qwen3-8b's o and down on an H200: 5.8 / 12.2 us against 6.4 / 14.9 with 8), else 8 (q/k/v
+    7.7 against 10.2, gate/up 20.9 against 28.3); more warps put more of a program's blocks in flight at
+    once (bench/quant_gemv_mma.py, bench/RESULTS.md run 21). One tile a warp."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return (16 if n // 16 <= 2 * sms else 8), 1
 
 
 def quant_gemv_mma(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None,
-                   warps: int | None = None) -> torch.Tensor:
-    """``x [1, K]`` bf16 -> ``[1, N]`` bf16, bias added; see ``supports``. ``warps`` overrides
-    ``default_warps`` (benchmarks)."""
+                   tiles: tuple[int, int] | None = None) -> torch.Tensor:
+    """``x [1, K]`` bf16 -> ``[1, N]`` bf16, bias added; see ``supports``. ``tiles`` overrides
+    ``default_tiles`` (benchmarks)."""
     if not supports(x, w):
         raise ValueError(f"quant_gemv_mma: needs one contiguous row of bf16 x on a GPU of compute capability 8.0+ "
                          f"and int4 weights in groups of {GROUP} with whole 16-row tiles; got x {tuple(x.shape)} "
                          f"{x.dtype} on {x.device}, {w.fmt} group {w.group_size}, {w.out_features} rows")
     n = w.out_features
-    warps = warps or default_warps(n, x.device)
+    warps, per_warp = tiles or default_tiles(n, x.device)
+    if n % (16 * per_warp):
+        raise ValueError(f"quant_gemv_mma: {per_warp} tiles of 16 rows a warp do not divide {n} rows")
     words = w.qweight.view(torch.int64)
     out = torch.empty(1, n, device=x.device, dtype=x.dtype)
     pdl = pdl_enabled(x.device)
-    _kernel[(n // 16,)](x.view(torch.int64), words, w.scales, w.zeros if w.zeros is not None else w.scales,
-                        bias if bias is not None else out, out, w.n_blocks, words.stride(0), WARPS=warps,
-                        HAS_ZEROS=w.zeros is not None, HAS_BIAS=bias is not None, USE_PDL=pdl, num_warps=warps,
-                        launch_pdl=pdl)
+    zeros = w.zeros if w.zeros is not None else w.scales  # not read without zero points
+    _kernel[(n // (16 * per_warp),)](
+        x.view(torch.int64), words, w.scales, zeros, bias if bias is not None else out, out, w.n_blocks,
+        words.stride(0), WARPS=warps, TILES=per_warp, HAS_ZEROS=w.zeros is not None, HAS_BIAS=bias is not None,
+        USE_PDL=pdl, num_warps=warps, launch_pdl=pdl)
     return out
 

@@ -200,10 +200,10 @@ def test_qlora_step_bf16():
     assert losses[-1] < 0.85 * losses[0], losses
 
 
-@pytest.mark.parametrize("warps", [4, 8, 16])
+@pytest.mark.parametrize("tiles", [(4, 1), (8, 1), (16, 1), (8, 2), (16, 2)], ids=str)
 @pytest.mark.parametrize("fmt", ["int4_sym", "int4_asym"])
-@pytest.mark.parametrize("nk", [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (48, 256), (16, 128)], ids=str)
-def test_int4_mma_gemv_matches_reference(nk, fmt, warps):
+@pytest.mark.parametrize("nk", [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (96, 256), (32, 128)], ids=str)
+def test_int4_mma_gemv_matches_reference(nk, fmt, tiles):
     from cudaformers.kernels.quant_gemv_mma import quant_gemv_mma, supports
 
     n, k = nk
@@ -213,14 +213,14 @@ def test_int4_mma_gemv_matches_reference(nk, fmt, warps):
     bias = torch.randn(n, device="cuda", generator=g).bfloat16() * 0.1
     assert supports(x, w)
     for b in (None, bias):
-        out = quant_gemv_mma(x, w, b, warps=warps)
+        out = quant_gemv_mma(x, w, b, tiles=tiles)
         assert out.dtype == torch.bfloat16 and out.shape == (1, n)
         err, bound = _bound(out, x, w, b)
         assert err <= bound, (err, bound)
     # In a CUDA graph, replayed after x changes.
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = quant_gemv_mma(x, w, bias, warps=warps)
+        out = quant_gemv_mma(x, w, bias, tiles=tiles)
     x.copy_(torch.randn(1, k, device="cuda", generator=g).bfloat16())
     graph.replay()
     err, bound = _bound(out, x, w, bias)
