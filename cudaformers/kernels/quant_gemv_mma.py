@@ -209,12 +209,20 @@ def supports(x: torch.Tensor, w: PackedWeight) -> bool:
 
 
 def default_tiles(n: int, device: torch.device) -> tuple[int, int]:
-    """(warps per program, 16-row tiles per warp): 16 warps where the 16-row programs are at most two
-    per SM (qwen3-8b's o and down on an H200: 5.8 / 12.2 us against 6.4 / 14.9 with 8), else 8 (q/k/v
-    7.7 against 10.2, gate/up 20.9 against 28.3); more warps put more of a program's blocks in flight at
-    once (bench/quant_gemv_mma.py, bench/RESULTS.md run 21). One tile a warp."""
+    """(warps per program, 16-row tiles per warp), from qwen3-8b's layers on an H200 (us per call,
+    bench/quant_gemv_mma.py, bench/RESULTS.md run 21):
+
+    - 16 warps, one tile, where the 16-row programs are at most two per SM: more warps put more of a
+      program's blocks in flight (o 5.6 against 6.3 with 8 warps, down 12.0 against 15.2);
+    - two tiles of 8 warps for wide layers, eight or more 32-row programs per SM, which share x, its
+      pairing and its sum over twice the rows (gate/up 19.7 against 21.2 with one tile);
+    - else 8 warps, one tile (q/k/v 7.6 against 10.0 with 16 warps, 9.1 with two tiles)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return (16 if n // 16 <= 2 * sms else 8), 1
+    if n // 16 <= 2 * sms:
+        return 16, 1
+    if n % 32 == 0 and n // 32 >= 8 * sms:
+        return 8, 2
+    return 8, 1
 
 
 def quant_gemv_mma(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None,
