@@ -1,11 +1,9 @@
 """The int4 tensor-core GEMV (kernels/quant_gemv_mma.py) on the CPU: its PTX for one block run lane by
-lane through a small interpreter (the instructions it uses, mma with the ISA's m16n8k16 fragment
-layouts) against the plain dot product over the plane packing, and the kernel built for sm_90. The
+lane through tests/ptx_exec.py (mma with the ISA's m16n8k16 fragment layouts) against the plain dot
+product over the plane packing, and the kernel built for sm_90. The
 GPU run against ``quant_matmul_reference`` is tests/gpu/test_quant_gpu.py."""
 
 import os
-import re
-import struct
 import subprocess
 import sys
 
@@ -14,82 +12,7 @@ import torch
 
 from cudaformers.kernels.quant_gemv_mma import _block_asm
 from cudaformers.kernels.quant_matmul import pack_planes
-
-MASK32 = 0xFFFFFFFF
-
-
-def _bf16(bits: int) -> float:
-    return struct.unpack("<f", struct.pack("<I", (bits & 0xFFFF) << 16))[0]
-
-
-def _prmt(a: int, b: int, sel: int) -> int:
-    pool = (b << 32) | a  # bytes 0-3 of a, 4-7 of b
-    return sum(((pool >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
-
-
-def _mma(lanes, d, a, b, c):
-    """m16n8k16, row.col, bf16 in, f32 accumulate: gather A [16, 16], B [16, 8], C [16, 8] from the lanes'
-    registers, D = A B + C, scatter D back (PTX ISA, "Matrix Fragments for mma.m16n8k16")."""
-    A = torch.zeros(16, 16, dtype=torch.float64)
-    B, C = torch.zeros(16, 8, dtype=torch.float64), torch.zeros(16, 8, dtype=torch.float64)
-    for lane, regs in enumerate(lanes):
-        g, t = lane // 4, lane % 4
-        for r, (row, col) in enumerate(((g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8))):
-            v = regs[a[r]]
-            A[row, col], A[row, col + 1] = _bf16(v), _bf16(v >> 16)
-        for r, k in enumerate((2 * t, 2 * t + 8)):
-            v = regs[b[r]]
-            B[k, g], B[k + 1, g] = _bf16(v), _bf16(v >> 16)
-        for r, (row, col) in enumerate(((g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1))):
-            C[row, col] = regs[c[r]]
-    D = A @ B + C
-    for lane, regs in enumerate(lanes):
-        g, t = lane // 4, lane % 4
-        for r, (row, col) in enumerate(((g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1))):
-            regs[d[r]] = float(D[row, col])
-
-
-def run_lanes(asm: str, inputs: list[list[int]], n_out: int) -> list[list[float]]:
-    """Executes ``asm`` for the 32 lanes of a warp in lockstep; ``inputs[lane]`` are the 64-bit values of
-    $n_out.. . Returns each lane's outputs $0..$n_out-1. Knows exactly the instructions the kernel uses."""
-    lanes = [{f"${n_out + i}": v for i, v in enumerate(args)} for args in inputs]
-    regs = lambda s: [r.strip() for r in s.strip("{} ").split(",")]  # noqa: E731
-    for line in asm.splitlines():
-        line = line.strip().rstrip(";")
-        if not line or line in "{}" or line.startswith(".reg"):
-            continue
-        op, rest = line.split(None, 1)
-        if op == "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32":
-            d, a, b, c = re.findall(r"\{[^}]*\}", rest)
-            _mma(lanes, regs(d), regs(a), regs(b), regs(c))
-            continue
-        for st in lanes:
-            if op == "mov.b64":
-                lo, hi = regs(rest.split("},")[0] + "}")
-                v = st[rest.split("},")[1].strip()]
-                st[lo], st[hi] = v & MASK32, (v >> 32) & MASK32
-            elif op in ("mov.b32", "mov.f32"):
-                dst, src = regs(rest)
-                if src.startswith("0f"):
-                    st[dst] = struct.unpack("<f", struct.pack("<I", int(src[2:], 16)))[0]
-                elif src.startswith("0x"):
-                    st[dst] = int(src, 16)
-                else:
-                    st[dst] = st[src]
-            elif op == "shr.u32":
-                dst, src, n = regs(rest)
-                st[dst] = st[src] >> int(n)
-            elif op == "lop3.b32":
-                dst, x, y, z, lut = regs(rest)
-                assert lut == "0xEA"  # (x & y) | z, the only function the kernel asks for
-                st[dst] = (st[x] & int(y, 16)) | int(z, 16)
-            elif op == "prmt.b32":
-                dst, x, y, sel = regs(rest)
-                st[dst] = _prmt(st[x], st[y], int(sel, 16))
-            else:
-                raise AssertionError(f"the interpreter does not know {op!r}")
-    return [[st[f"${i}"] for i in range(n_out)] for st in lanes]
-
+from ptx_exec import run_warp
 
 def _i64(values: list[int], bits: int) -> int:
     return sum((v & ((1 << bits) - 1)) << (bits * i) for i, v in enumerate(values))
@@ -113,7 +36,9 @@ def _block_case(seed: int, tiles: int, asm: str):
         ins = [_i64(words[r][4 * t + h: 4 * t + h + 2], 32) for r in mine for h in (0, 2)]
         inputs.append(ins + [_i64(xbits[16 * j + 4 * t: 16 * j + 4 * t + 4], 16) for j in range(8)])
     xf = x.double()
-    return run_lanes(asm, inputs, 2 * tiles + 1), ((codes.double() + 128) * xf).sum(1), float(xf.sum())
+    n_out = 2 * tiles + 1
+    outs = run_warp(asm, [[0] * n_out + ins for ins in inputs])
+    return [[o[i] for i in range(n_out)] for o in outs], ((codes.double() + 128) * xf).sum(1), float(xf.sum())
 
 
 def _matches(out, want, xsum) -> bool:

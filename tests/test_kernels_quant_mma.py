@@ -2,13 +2,11 @@
 
 The Triton kernel runs under the interpreter, which cannot run PTX: there it computes the planes with
 plain ops. The PTX that the GPU runs instead is checked here by executing it, instruction by
-instruction, on random words (``_run_ptx``) and comparing with the same plane formula; the GPU tests
+instruction, on random words (``_run_ptx``, through tests/ptx_exec.py) and comparing with the same plane formula; the GPU tests
 (tests/gpu/test_quant_gpu.py) then compare the compiled kernel with the reference.
 """
 
 from __future__ import annotations
-
-import re
 
 import pytest
 import torch
@@ -17,73 +15,14 @@ from cudaformers import Int4Config, Int8Config
 from cudaformers.kernels.quant_matmul import dequantize, quant_matmul_reference
 from cudaformers.kernels.quant_mma import _unpack_asm, quant_mma, supports
 from cudaformers.quant.apply import quantize
+from ptx_exec import half_value as _half_value
+from ptx_exec import run_warp
 
-M32 = 0xFFFFFFFF
-
-
-def _half_value(bits16: int, fp16: bool) -> float:
-    dtype = torch.float16 if fp16 else torch.bfloat16
-    return torch.tensor([bits16], dtype=torch.int32).to(torch.int16).view(dtype).item()
-
-
-def _half_bits(v: float, fp16: bool) -> int:
-    dtype = torch.float16 if fp16 else torch.bfloat16
-    t = torch.tensor([v], dtype=dtype)
-    assert t.item() == v, f"{v} is not exact in {dtype}"  # every value the unpack makes must be exact
-    return t.view(torch.int16).item() & 0xFFFF
-
-
-def _lop3(a: int, b: int, c: int, lut: int) -> int:
-    out = 0
-    for bit in range(32):
-        idx = (((a >> bit) & 1) << 2) | (((b >> bit) & 1) << 1) | ((c >> bit) & 1)
-        out |= ((lut >> idx) & 1) << bit
-    return out
-
-
-def _prmt(a: int, b: int, sel: int) -> int:
-    pool = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
-    return sum(pool[(sel >> (4 * i)) & 7] << (8 * i) for i in range(4))
 
 
 def _run_ptx(asm: str, args: list[int]) -> dict[int, int]:
-    """Execute the subset of PTX the unpack uses; returns the output registers ``$i``."""
-    regs: dict[str, int] = {f"${i}": v & M32 for i, v in enumerate(args)}
-    outs = {}
-
-    def val(tok: str) -> int:
-        tok = tok.strip()
-        return int(tok, 0) & M32 if tok[0].isdigit() else regs[tok]
-
-    for line in asm.splitlines():
-        line = line.strip().rstrip(";")
-        if not line or line in "{}" or line.startswith(".reg"):
-            continue
-        op, rest = line.split(None, 1)
-        ops = [t.strip() for t in rest.split(",")]
-        dst = ops[0]
-        if op == "mov.b32":
-            r = val(ops[1])
-        elif op == "prmt.b32":
-            r = _prmt(val(ops[1]), val(ops[2]), val(ops[3]))
-        elif op == "shr.u32":
-            r = val(ops[1]) >> val(ops[2])
-        elif op == "lop3.b32":
-            r = _lop3(val(ops[1]), val(ops[2]), val(ops[3]), val(ops[4]))
-        elif op in ("fma.rn.bf16x2", "fma.rn.f16x2"):
-            fp16 = op.endswith("f16x2") and "bf16" not in op
-            a, b, c = val(ops[1]), val(ops[2]), val(ops[3])
-            r = 0
-            for half in range(2):
-                def h(x):
-                    return _half_value((x >> (16 * half)) & 0xFFFF, fp16)
-                r |= _half_bits(h(a) * h(b) + h(c), fp16) << (16 * half)
-        else:
-            raise AssertionError(f"unexpected instruction {op}")
-        if re.fullmatch(r"\$\d+", dst):
-            outs[int(dst[1:])] = r
-        regs[dst] = r & M32
-    return outs
+    """Execute the unpack's PTX for one lane; returns the output registers ``$i``."""
+    return run_warp(asm, [args])[0]
 
 
 @pytest.mark.parametrize("bits,fp16,zero", [(4, False, 8), (4, False, 0), (4, True, 8), (4, True, 0), (8, True, 128)])

@@ -17,7 +17,9 @@ block. A kernel that reads one word per lane thus multiplies code ``j`` of W con
 W *contiguous* activations: x is read with vector loads, once per step, whatever the format. Rows of
 every format quantize independently, so stacking the rows of several layers (q/k/v, gate/up) is exact.
 
-One row of x (decode at batch 1) runs the weight-streaming GEMV of ``quant_gemv.py``; more rows run
+One row of bf16 x against int4 in groups of 128 (decode at batch 1) runs ``quant_gemv_mma.py``, which
+decodes the codes straight into tensor-core fragments; other single rows run the weight-streaming
+GEMV of ``quant_gemv.py`` (or ``quant_mma.py`` where it is faster); more rows run
 the ``tl.dot`` kernel below, which dequantizes one block at a time into x's dtype right before the
 tensor-core dot. Both write x's dtype (bias added) in a single launch. ``dequantize`` and
 ``quant_matmul_reference`` are the PyTorch definitions the kernels are tested against.
