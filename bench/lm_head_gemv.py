@@ -12,25 +12,13 @@ from __future__ import annotations
 import argparse
 import itertools
 
+import sys
+from pathlib import Path
+
 import torch
 
-
-def time_call(launch, reps: int = 20) -> float:
-    launch()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            launch()
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (5 * reps)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import graph_us  # noqa: E402
 
 
 def main() -> None:
@@ -59,7 +47,7 @@ def main() -> None:
                                                 y.stride(0), ACT=-1, NORM=False, HAS_RESIDUAL=False, HAS_BIAS=False,
                                                 BLOCK_N=bn, BLOCK_K=bk, USE_PDL=pdl, num_warps=nw, num_stages=ns,
                                                 launch_pdl=pdl)
-        us = time_call(launch)
+        us = graph_us(launch, reps=20)
         ok = torch.allclose(y.float(), want.float(), atol=2e-2, rtol=2e-2)
         rows.append((us, block_n, block_k, warps, stages, ok))
     rows.sort()

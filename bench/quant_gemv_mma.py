@@ -3,35 +3,21 @@ qwen3-8b's layers at batch 1 (q/k/v and gate/up packed), weights read from HBM (
 
     python bench/quant_gemv_mma.py
 
-us per call in a CUDA graph of 20 calls (PDL as in decode), and the packed bytes' rate; the bf16
+us per call in a CUDA graph of 50 calls (PDL as in decode; best of five replays), and the packed bytes' rate; the bf16
 GEMV of the same layer for scale.
 """
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import graph_us  # noqa: E402
+
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
-
-
-def time_calls(fns) -> float:
-    """us per call of ``fns`` (one per weight copy), cycled in one CUDA graph."""
-    for f in fns:
-        f()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(20):
-            fns[i % len(fns)]()
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / 200
 
 
 def main() -> None:
@@ -53,12 +39,12 @@ def main() -> None:
         bf = [w32.bfloat16()] + [w32.bfloat16().clone() for _ in range(max(0, -(-256 * 2 ** 20 // (n * k * 2)) - 1))]
         x = torch.randn(1, k, device="cuda").bfloat16()
         rows = {
-            "bf16 GEMV": time_calls([lambda w=w: gemv(x, w) for w in bf]),
-            "int4 dispatch today": time_calls([lambda w=w: qm.quant_matmul_triton(x, w) for w in ws]),
-            "int4 FMA GEMV": time_calls([lambda w=w: quant_gemv(x, w) for w in ws]),
+            "bf16 GEMV": graph_us([lambda w=w: gemv(x, w) for w in bf]),
+            "int4 dispatch today": graph_us([lambda w=w: qm.quant_matmul_triton(x, w) for w in ws]),
+            "int4 FMA GEMV": graph_us([lambda w=w: quant_gemv(x, w) for w in ws]),
         }
         for warps, per_warp in ((8, 1), (16, 1), (4, 2), (8, 2), (16, 2)):
-            rows[f"int4 mma GEMV, {warps}w x {per_warp}t"] = time_calls(
+            rows[f"int4 mma GEMV, {warps}w x {per_warp}t"] = graph_us(
                 [lambda w=w, c=(warps, per_warp): quant_gemv_mma(x, w, tiles=c) for w in ws])
         ref = qm.quant_matmul_reference(x.float(), packed)
         err = (quant_gemv_mma(x, packed).float() - ref).abs().max().item()
