@@ -40,7 +40,7 @@ import triton.language as tl
 
 from .grid import cdiv
 from .pdl import pdl_enabled, release_dependents, wait_for_producer
-from .quant_matmul import PackedWeight
+from .quant_matmul import PackedWeight, interpreting
 
 GROUP = 128  # elements per block: 16 words of 8 codes
 
@@ -204,8 +204,8 @@ def _kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, n_blocks, ld_q, WARPS: t
 
 def supports(x: torch.Tensor, w: PackedWeight) -> bool:
     """One row of bf16 x on a GPU with bf16 mma (sm_80+), int4 in groups of 128 (single-level
-    scales), whole 16-row tiles."""
-    return (x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1
+    scales), whole 16-row tiles; not under the interpreter, which cannot run PTX."""
+    return (x.is_cuda and not interpreting() and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1
             and x.data_ptr() % 16 == 0 and w.fmt == "int4" and w.group_size == GROUP and w.scales2 is None
             and w.out_features % 16 == 0 and w.in_features == w.n_blocks * GROUP and w.qweight.data_ptr() % 16 == 0
             and torch.cuda.get_device_capability(x.device)[0] >= 8)
