@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cudaformers import Int4Config, Int8Config
-from cudaformers.kernels.quant_matmul import dequantize, quant_matmul_reference
+from cudaformers.kernels.quant_matmul import quant_matmul_reference
 from cudaformers.kernels.quant_mma import _unpack_asm, quant_mma, supports
 from cudaformers.quant.apply import quantize
 from ptx_exec import half_value as _half_value

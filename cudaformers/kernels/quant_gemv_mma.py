@@ -38,7 +38,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .grid import cdiv
 from .pdl import pdl_enabled, release_dependents, wait_for_producer
 from .quant_matmul import PackedWeight, interpreting
 
