@@ -107,16 +107,16 @@ def build_chain(layers: int, copies: int, device):
 def launch_chain(shapes, weights, acts, flags, mode: int):
     elements = 8192
     flags.zero_()
+    # The first link follows the zeroing kernel, which ends before it starts: it waits for no arrival
+    # (0 expected) but counts its own.
+    expected = 0
     for i, ((n, k), w) in enumerate(zip(shapes, weights)):
         block_k = triton.next_power_of_2(k)
         block_n = max(1, elements // block_k)
-        grid = (triton.cdiv(n, block_n),)
-        prev_programs = 0 if i == 0 else triton.cdiv(shapes[i - 1][0], max(1, elements // triton.next_power_of_2(shapes[i - 1][1])))
-        # The first link follows the zeroing kernel, which ends before it starts: it waits for no
-        # arrival (expected 0) but counts its own.
-        m = mode
-        _link[grid](acts[i % 2], w, acts[(i + 1) % 2], flags, max(i - 1, 0), prev_programs, i,
-                    K=k, BLOCK_N=block_n, BLOCK_K=block_k, MODE=m, num_warps=4, launch_pdl=m > 0)
+        programs = triton.cdiv(n, block_n)
+        _link[(programs,)](acts[i % 2], w, acts[(i + 1) % 2], flags, max(i - 1, 0), expected, i,
+                           K=k, BLOCK_N=block_n, BLOCK_K=block_k, MODE=mode, num_warps=4, launch_pdl=mode > 0)
+        expected = programs
 
 
 def time_mode(shapes, weight_copies, acts, flags, mode: int, reps: int) -> float:

@@ -48,7 +48,8 @@ def main() -> None:
                 [lambda w=w, c=(warps, per_warp): quant_gemv_mma(x, w, tiles=c) for w in ws])
         ref = qm.quant_matmul_reference(x.float(), packed)
         err = (quant_gemv_mma(x, packed).float() - ref).abs().max().item()
-        print(f"{name} {n}x{k}: int4 {nbytes / 1e6:.1f} MB; mma GEMV max error {err:.2e} (|ref| max {ref.abs().max():.2f})")
+        print(f"{name} {n}x{k}: int4 {nbytes / 1e6:.1f} MB; mma GEMV max error {err:.2e} "
+              f"(|ref| max {ref.abs().max():.2f})")
         for label, us in rows.items():
             mb = n * k * 2 / 1e6 if label.startswith("bf16") else nbytes / 1e6
             print(f"  {label:26s} {us:7.2f} us  {mb / us:5.2f} TB/s")

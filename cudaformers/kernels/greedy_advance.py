@@ -2,9 +2,9 @@
 
 Greedy ``advance`` is a dozen tiny torch kernels per token (eos masking before min_new_tokens, cast,
 argmax, padding of finished rows, the output column, eos flags, ends, the next input and its
-position, ``step += 1``); in the decode graph each costs a launch and a drain (by estimate 25-35 us of an ~860 us step
-at batch 1; W1 rose 7% with this and the fused KV store together, bench/RESULTS.md run 9). Here it
-is two launches, bit-exact:
+position, ``step += 1``); in the decode graph each costs a launch and a drain (by estimate 25-35 us
+of an ~860 us step at batch 1; W1 rose 7% with this and the fused KV store together, bench/RESULTS.md
+run 9). Here it is two launches, bit-exact:
 
 - ``_partial_argmax``: grid ``(B, splits)``. One row is up to 150k logits; a single program per row
   would stream it at one SM's rate (by estimate several us at batch 1), so the row is cut into
@@ -76,8 +76,8 @@ def _partial_argmax(LOGITS, PVAL, PIDX, n_cols, stride_row, chunk, n_splits, EOS
 
 
 @triton.jit
-def _finish(PVAL, PIDX, n_rows, n_splits, TOKENS, POSITIONS, OUT, stride_out, capacity, FINISHED, ENDS, EOS, n_eos,
-            PAD, STEP, MAX_NEW, BLOCK_B: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr,
+def _finish(PVAL, PIDX, n_rows, n_splits, TOKENS, POSITIONS, OUT, stride_out, capacity, FINISHED, ENDS, EOS,
+            n_eos, PAD, STEP, MAX_NEW, BLOCK_B: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr,
             USE_PDL: tl.constexpr):
     wait_for_producer(USE_PDL)
     release_dependents(USE_PDL)
@@ -149,8 +149,9 @@ def greedy_advance(logits: torch.Tensor, state) -> None:
                                     EOS_SLOTS=state.eos.numel(), USE_PDL=pdl, num_warps=4, launch_pdl=pdl)
     block_s = next_power_of_2(splits)
     block_b = min(next_power_of_2(rows), max(1, 2048 // block_s))
-    _finish[(1,)](pval, pidx, rows, splits, state.tokens, state.positions, state.out, state.out.stride(0), state.out.shape[1],
-                  state.finished, state.ends, state.eos, state.eos.numel(), state.pad, state.step, state.max_new,
+    _finish[(1,)](pval, pidx, rows, splits, state.tokens, state.positions, state.out, state.out.stride(0),
+                  state.out.shape[1], state.finished, state.ends, state.eos, state.eos.numel(), state.pad, state.step,
+                  state.max_new,
                   BLOCK_B=block_b, BLOCK_S=block_s, BLOCK_E=next_power_of_2(max(state.eos.numel(), 1)),
                   USE_PDL=pdl, num_warps=4, launch_pdl=pdl)
 

@@ -64,7 +64,7 @@ def _block_asm(tiles: int = 1) -> str:
     lines.append("mov.b32 one, 0x3F803F80;")
 
     def pair(word: str, p: int, out: str) -> list[str]:
-        # codes p (-> low half) and p + 4 (-> high half) as bf16 128 + code: (w >> 4p) & 0x000F000F | 0x43004300
+        # codes p (low half) and p + 4 (high half) as bf16 128 + code: (w >> 4p) & 0x000F000F | 0x43004300
         src = word
         ops = []
         if p:
@@ -142,7 +142,8 @@ def _block(w, xb, s_at, z_at, n_blocks, ok, acc, HAS_ZEROS: tl.constexpr, TILES:
         acc3 = acc[3] + _scaled(d3, xs, s_at + 24 * n_blocks, z_at + 24 * n_blocks, ok, HAS_ZEROS)
     else:
         d0, d1, xs = tl.inline_asm_elementwise(
-            BLOCK_ASM, "=f,=f,=f" + ",l" * 12, [w[0], w[1], w[2], w[3], x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7]],
+            BLOCK_ASM, "=f,=f,=f" + ",l" * 12,
+            [w[0], w[1], w[2], w[3], x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7]],
             dtype=(tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
         acc2, acc3 = acc[2], acc[3]
     acc0 = acc[0] + _scaled(d0, xs, s_at, z_at, ok, HAS_ZEROS)
@@ -204,10 +205,10 @@ def _kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, n_blocks, ld_q, WARPS: t
 def supports(x: torch.Tensor, w: PackedWeight) -> bool:
     """One row of bf16 x on a GPU with bf16 mma (sm_80+), int4 in groups of 128 (single-level
     scales), whole 16-row tiles; not under the interpreter, which cannot run PTX."""
-    return (x.is_cuda and not interpreting() and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1
-            and x.data_ptr() % 16 == 0 and w.fmt == "int4" and w.group_size == GROUP and w.scales2 is None
-            and w.out_features % 16 == 0 and w.in_features == w.n_blocks * GROUP and w.qweight.data_ptr() % 16 == 0
-            and torch.cuda.get_device_capability(x.device)[0] >= 8)
+    return (x.is_cuda and not interpreting() and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] == 1
+            and x.stride(1) == 1 and x.data_ptr() % 16 == 0 and w.fmt == "int4" and w.group_size == GROUP
+            and w.scales2 is None and w.out_features % 16 == 0 and w.in_features == w.n_blocks * GROUP
+            and w.qweight.data_ptr() % 16 == 0 and torch.cuda.get_device_capability(x.device)[0] >= 8)
 
 
 def default_tiles(n: int, device: torch.device) -> tuple[int, int]:
