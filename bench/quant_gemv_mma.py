@@ -1,14 +1,15 @@
-"""The int4 tensor-core GEMV (``kernels/quant_gemv_mma.py``) against the kernels decode runs today, on
+"""The fragment GEMV (``kernels/quant_gemv_mma.py``, int4 and int8) against the kernels it replaced, on
 qwen3-8b's layers at batch 1 (q/k/v and gate/up packed), weights read from HBM (copies cycled past L2).
 
-    python bench/quant_gemv_mma.py
+    python bench/quant_gemv_mma.py [--formats int4,int8]
 
-us per call in a CUDA graph of 50 calls (PDL as in decode; best of five replays), and the packed bytes' rate; the bf16
-GEMV of the same layer for scale.
+us per call in a CUDA graph of 50 calls (PDL as in decode; best of five replays), and the packed bytes' rate;
+the bf16 GEMV of the same layer for scale. Fragment variants are (warps, tiles a warp, blocks in flight).
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -18,41 +19,60 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import graph_us  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
+VARIANTS = [(8, 1, 1), (16, 1, 1), (4, 2, 1), (8, 2, 1), (8, 1, 2), (16, 1, 2), (4, 2, 2), (8, 2, 2), (16, 2, 2)]
+
+
+def packed_copies(fmt: str, w32: torch.Tensor):
+    """(the packed weight and copies of it that together overflow L2, its bytes)."""
+    from cudaformers.kernels import quant_matmul as qm
+    from cudaformers.quant.int4 import quantize_int4
+    from cudaformers.quant.int8 import quantize_int8
+
+    n, k = w32.shape
+    if fmt == "int8":
+        q, s = quantize_int8(w32)
+        make = lambda: qm.PackedWeight("int8", q.clone(), s.clone(), k)  # noqa: E731
+        nbytes = q.numel() + s.numel() * 4
+    else:
+        q, s, _ = quantize_int4(w32, 128)
+        make = lambda: qm.PackedWeight("int4", q.clone(), s.clone(), k, 128)  # noqa: E731
+        nbytes = q.numel() + s.numel() * 2
+    copies = max(1, -(-256 * 2 ** 20 // nbytes))
+    return [make() for _ in range(copies)], nbytes
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--formats", default="int4,int8")
+    args = ap.parse_args()
     from cudaformers.kernels import quant_matmul as qm
+    from cudaformers.kernels import quant_mma
     from cudaformers.kernels.gemv import gemv
     from cudaformers.kernels.quant_gemv import quant_gemv
-    from cudaformers.kernels.quant_gemv_mma import quant_gemv_mma
-    from cudaformers.quant.int4 import quantize_int4
+    from cudaformers.kernels.quant_gemv_mma import default_tiles, quant_gemv_mma
 
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
-    total = {}
+    total: dict[str, float] = {}
     for name, (n, k) in SHAPES.items():
         w32 = torch.randn(n, k, device="cuda") * 0.02
-        q, s, _ = quantize_int4(w32, 128)
-        packed = qm.PackedWeight("int4", q, s, k, 128)
-        nbytes = q.numel() + s.numel() * 2
-        copies = max(1, -(-256 * 2 ** 20 // nbytes))
-        ws = [packed] + [qm.PackedWeight("int4", q.clone(), s.clone(), k, 128) for _ in range(copies - 1)]
-        bf = [w32.bfloat16()] + [w32.bfloat16().clone() for _ in range(max(0, -(-256 * 2 ** 20 // (n * k * 2)) - 1))]
         x = torch.randn(1, k, device="cuda").bfloat16()
-        rows = {
-            "bf16 GEMV": graph_us([lambda w=w: gemv(x, w) for w in bf]),
-            "int4 dispatch today": graph_us([lambda w=w: qm.quant_matmul_triton(x, w) for w in ws]),
-            "int4 FMA GEMV": graph_us([lambda w=w: quant_gemv(x, w) for w in ws]),
-        }
-        for warps, per_warp in ((8, 1), (16, 1), (4, 2), (8, 2), (16, 2)):
-            rows[f"int4 mma GEMV, {warps}w x {per_warp}t"] = graph_us(
-                [lambda w=w, c=(warps, per_warp): quant_gemv_mma(x, w, tiles=c) for w in ws])
-        ref = qm.quant_matmul_reference(x.float(), packed)
-        err = (quant_gemv_mma(x, packed).float() - ref).abs().max().item()
-        print(f"{name} {n}x{k}: int4 {nbytes / 1e6:.1f} MB; mma GEMV max error {err:.2e} "
-              f"(|ref| max {ref.abs().max():.2f})")
-        for label, us in rows.items():
-            mb = n * k * 2 / 1e6 if label.startswith("bf16") else nbytes / 1e6
-            print(f"  {label:26s} {us:7.2f} us  {mb / us:5.2f} TB/s")
+        bf = [w32.bfloat16() for _ in range(max(1, -(-256 * 2 ** 20 // (n * k * 2))))]
+        rows = {"bf16 GEMV": (graph_us([lambda w=w: gemv(x, w) for w in bf]), n * k * 2)}
+        for fmt in args.formats.split(","):
+            ws, nbytes = packed_copies(fmt, w32)
+            rows[f"{fmt} FMA GEMV"] = (graph_us([lambda w=w: quant_gemv(x, w) for w in ws]), nbytes)
+            if quant_mma.supports(x, ws[0]):
+                rows[f"{fmt} tl.dot kernel"] = (graph_us([lambda w=w: quant_mma.quant_mma(x, w) for w in ws]), nbytes)
+            for warps, tiles, depth in VARIANTS:
+                rows[f"{fmt} fragment {warps}w {tiles}t d{depth}"] = (graph_us(
+                    [lambda w=w, c=(warps, tiles), d=depth: quant_gemv_mma(x, w, tiles=c, depth=d) for w in ws]),
+                    nbytes)
+            ref = qm.quant_matmul_reference(x.float(), ws[0])
+            err = (quant_gemv_mma(x, ws[0]).float() - ref).abs().max().item()
+            print(f"{name} {n}x{k} {fmt}: {nbytes / 1e6:.1f} MB; fragment GEMV max error {err:.2e} "
+                  f"(|ref| max {ref.abs().max():.2f}); default tiles {default_tiles(n, x.device)}")
+        for label, (us, nbytes) in rows.items():
+            print(f"  {label:30s} {us:7.2f} us  {nbytes / 1e6 / us:5.2f} TB/s")
             total[label] = total.get(label, 0.0) + us
     print("a layer (four calls):", {k: round(v, 2) for k, v in total.items()})
 

@@ -1,6 +1,6 @@
-"""The int4 tensor-core GEMV (kernels/quant_gemv_mma.py) on the CPU: its PTX for one block run lane by
-lane through tests/ptx_exec.py (mma with the ISA's m16n8k16 fragment layouts) against the plain dot
-product over the plane packing, and the kernel built for sm_90. The
+"""The fragment GEMV (kernels/quant_gemv_mma.py, kernels/quant_fragments.py) on the CPU: its PTX for
+one int4 or int8 block run lane by lane through tests/ptx_exec.py (mma with the ISA's m16n8k16 fragment
+layouts) against the plain dot product over the plane packing, and the kernel built for sm_90. The
 GPU run against ``quant_matmul_reference`` is tests/gpu/test_quant_gpu.py."""
 
 import os
@@ -10,9 +10,11 @@ import sys
 import pytest
 import torch
 
-from cudaformers.kernels.quant_gemv_mma import _block_asm
+from cudaformers.kernels.quant_fragments import int4_block_asm as _block_asm
+from cudaformers.kernels.quant_fragments import int8_block_asm
 from cudaformers.kernels.quant_matmul import pack_planes
 from ptx_exec import run_warp
+
 
 def _i64(values: list[int], bits: int) -> int:
     return sum((v & ((1 << bits) - 1)) << (bits * i) for i, v in enumerate(values))
@@ -68,20 +70,63 @@ def test_the_check_catches_a_wrong_second_tile():
     assert not _matches(*_block_case(0, 2, asm.replace("mov.b64 {v1_2, v1_3}, $12;", "mov.b64 {v1_3, v1_2}, $12;")))
 
 
+def _int8_case(seed: int, tiles: int, asm: str):
+    """(each lane's outputs of ``asm``, the running sums plus the dots of the 16 * tiles rows)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = 16 * tiles
+    q = torch.randint(-128, 128, (rows, 64), generator=g)
+    if seed == 1:
+        q[3], q[rows - 5], q[rows - 1] = 127, -128, 0  # extremes
+    x = torch.randn(64, generator=g).bfloat16()
+    sums = torch.randn(rows, generator=g).double()
+    words = pack_planes(q, 64, 8).view(torch.int32).reshape(rows, 16).tolist()
+    xbits = x.view(torch.int16).tolist()
+    inputs = []
+    for lane in range(32):
+        gg, t = lane // 4, lane % 4
+        mine = [gg + 8 * i for i in range(2 * tiles)]
+        inputs.append([0] * (2 * tiles) + [float(sums[r]) for r in mine]
+                      + [_i64(words[r][4 * t + h: 4 * t + h + 2], 32) for r in mine for h in (0, 2)]
+                      + [_i64(xbits[16 * j + 4 * t: 16 * j + 4 * t + 4], 16) for j in range(4)])
+    outs = run_warp(asm, inputs)
+    return [[o[i] for i in range(2 * tiles)] for o in outs], sums + (q.double() * x.double()).sum(1)
+
+
+def _int8_matches(out, want) -> bool:
+    return all(abs(d - float(want[lane // 4 + 8 * i])) <= 1e-9 for lane, dots in enumerate(out)
+               for i, d in enumerate(dots))
+
+
+@pytest.mark.parametrize("tiles", [1, 2])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_int8_block_ptx_adds_the_signed_dot_product(seed, tiles):
+    assert _int8_matches(*_int8_case(seed, tiles, int8_block_asm(tiles)))
+
+
+@pytest.mark.parametrize("change", [("0xC300C300", "0x43004300"),  # the sign bit read as +128 / +256
+                                    ("shr.u32 sh, w0_0, 8;", "shr.u32 sh, w0_0, 16;"),  # bytes 1 and 3 misplaced
+                                    ("{be, bo}", "{bo, be}"),  # x at the wrong elements
+                                    ("$1, c0_2", "$1, c0_0")])  # the wrong row out
+def test_the_check_catches_a_wrong_int8_block(change):
+    assert change[0] in int8_block_asm(1)
+    assert not _int8_matches(*_int8_case(0, 1, int8_block_asm(1).replace(*change)))
+
+
 _COMPILE = """
 import sys, torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from cudaformers.kernels import quant_gemv_mma as m
 sig = dict(x_ptr="*i64", q_ptr="*i64", s_ptr="*bf16", z_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16", n_blocks="i32",
-           ld_q="i32", WARPS="constexpr", TILES="constexpr", HAS_ZEROS="constexpr", HAS_BIAS="constexpr",
-           USE_PDL="constexpr")
-for zeros, tiles in ((False, 1), (True, 1), (True, 2)):
-    src = ASTSource(m._kernel, sig, dict(WARPS=8, TILES=tiles, HAS_ZEROS=zeros, HAS_BIAS=zeros, USE_PDL=True),
+           ld_q="i32", FMT="constexpr", WARPS="constexpr", TILES="constexpr", DEPTH="constexpr",
+           HAS_ZEROS="constexpr", HAS_BIAS="constexpr", USE_PDL="constexpr")
+for fmt, zeros, tiles, depth in ((0, False, 1, 1), (0, True, 1, 2), (0, True, 2, 1), (1, False, 1, 2), (1, False, 2, 1)):
+    src = ASTSource(m._kernel, dict(sig, s_ptr="*fp32" if fmt else "*bf16"),
+                    dict(FMT=fmt, WARPS=8, TILES=tiles, DEPTH=depth, HAS_ZEROS=zeros, HAS_BIAS=zeros, USE_PDL=True),
                     {(i,): [["tt.divisibility", 16]] for i in range(6)})
     c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
     ptx = c.asm["ptx"]
-    print(tiles, ptx.count("mma.sync.aligned.m16n8k16"), ptx.count("st.shared"), len(c.asm["cubin"]))
+    print(fmt, tiles, ptx.count("mma.sync.aligned.m16n8k16"), ptx.count("st.shared"), len(c.asm["cubin"]))
 """
 
 
@@ -91,9 +136,12 @@ def test_the_kernel_builds_for_hopper_with_mma_from_registers():
     done = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=600,
                           cwd=root)
     assert done.returncode == 0, done.stderr[-3000:]
-    for line in done.stdout.strip().splitlines()[-3:]:
-        tiles, mmas, shared_stores, cubin = map(int, line.split())
-        # 8 mma per tile and 8 for the sum of x per block, inlined twice (the loop and the last block);
-        # the loop moves nothing through shared memory (only the final sums over warps do)
-        assert mmas == 2 * 8 * (tiles + 1) and cubin > 0
+    lines = done.stdout.strip().splitlines()[-5:]
+    assert len(lines) == 5
+    for line in lines:
+        fmt, tiles, mmas, shared_stores, cubin = map(int, line.split())
+        # Per block, inlined twice (the loop and the last block): int4 8 mma per tile and 8 for the sum of
+        # x; int8 two per word and tile. The loop moves nothing through shared memory (only the final
+        # sums over warps do).
+        assert mmas == (2 * 8 * tiles if fmt else 2 * 8 * (tiles + 1)) and cubin > 0
         assert shared_stores <= 4 * tiles

@@ -39,75 +39,32 @@ import triton
 import triton.language as tl
 
 from .pdl import pdl_enabled, release_dependents, wait_for_producer
+from .quant_fragments import INT4_GROUP, INT8_BLOCK, int4_block_asm, int8_block_asm
 from .quant_matmul import PackedWeight, interpreting
 
-GROUP = 128  # elements per block: 16 words of 8 codes
-
-
-def _block_asm(tiles: int = 1) -> str:
-    """PTX for one block of one lane over ``tiles`` 16-row tiles. Inputs (after the 2 * tiles + 1 outputs):
-    per tile the lane's 4 words of rows g and g + 8 (two int64 each), then x[16 j + 4 t .. + 3] for
-    j = 0..7 (int64 each). Outputs: per tile the dots of rows g and g + 8 (biased by 128 per code, see
-    the module docstring), then the block's sum of x."""
-    first = 2 * tiles + 1  # the first input operand
-    lines = ["{", f".reg .b32 {', '.join(f'w{u}_<4>, v{u}_<4>' for u in range(tiles))};",
-             ".reg .b32 xa<16>, pa, pb, pc, pd, b0, b1, sh, one;",
-             f".reg .f32 {', '.join(f'c{u}_<4>' for u in range(tiles))}, s<4>;"]
-    for u in range(tiles):
-        op = first + 4 * u
-        lines += [f"mov.b64 {{w{u}_0, w{u}_1}}, ${op};", f"mov.b64 {{w{u}_2, w{u}_3}}, ${op + 1};",
-                  f"mov.b64 {{v{u}_0, v{u}_1}}, ${op + 2};", f"mov.b64 {{v{u}_2, v{u}_3}}, ${op + 3};"]
-    xs = first + 4 * tiles
-    lines += [f"mov.b64 {{xa{2 * j}, xa{2 * j + 1}}}, ${xs + j};" for j in range(8)]
-    lines += [f"mov.f32 c{u}_{i}, 0f00000000;" for u in range(tiles) for i in range(4)]
-    lines += [f"mov.f32 s{i}, 0f00000000;" for i in range(4)]
-    lines.append("mov.b32 one, 0x3F803F80;")
-
-    def pair(word: str, p: int, out: str) -> list[str]:
-        # codes p (low half) and p + 4 (high half) as bf16 128 + code: (w >> 4p) & 0x000F000F | 0x43004300
-        src = word
-        ops = []
-        if p:
-            ops.append(f"shr.u32 sh, {word}, {4 * p};")
-            src = "sh"
-        ops.append(f"lop3.b32 {out}, {src}, 0x000F000F, 0x43004300, 0xEA;")
-        return ops
-
-    mma = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
-    for r in range(4):  # word 4t + r of the lane
-        sel = "0x7632" if r % 2 else "0x5410"  # the high or low bf16 of each 4-byte piece of x
-        for m in range(2):  # codes (2m, 2m + 4) and (2m + 1, 2m + 5) of the word
-            lines.append(f"prmt.b32 b0, xa{4 * m + r // 2}, xa{4 * m + 8 + r // 2}, {sel};")
-            lines.append(f"prmt.b32 b1, xa{4 * m + 2 + r // 2}, xa{4 * m + 10 + r // 2}, {sel};")
-            for u in range(tiles):
-                lines += pair(f"w{u}_{r}", 2 * m, "pa") + pair(f"v{u}_{r}", 2 * m, "pb")
-                lines += pair(f"w{u}_{r}", 2 * m + 1, "pc") + pair(f"v{u}_{r}", 2 * m + 1, "pd")
-                c = ", ".join(f"c{u}_{i}" for i in range(4))
-                lines.append(f"{mma} {{{c}}}, {{pa, pb, pc, pd}}, {{b0, b1}}, {{{c}}};")
-            lines.append(f"{mma} {{s0, s1, s2, s3}}, {{one, one, one, one}}, {{b0, b1}}, {{s0, s1, s2, s3}};")
-    for u in range(tiles):
-        lines += [f"mov.f32 ${2 * u}, c{u}_0;", f"mov.f32 ${2 * u + 1}, c{u}_2;"]
-    lines += [f"mov.f32 ${2 * tiles}, s0;", "}"]
-    return "\n".join(lines)
-
-
-BLOCK_ASM = tl.constexpr(_block_asm(1))
-BLOCK_ASM2 = tl.constexpr(_block_asm(2))
+INT4_ASM = tl.constexpr(int4_block_asm(1))
+INT4_ASM2 = tl.constexpr(int4_block_asm(2))
+INT8_ASM = tl.constexpr(int8_block_asm(1))
+INT8_ASM2 = tl.constexpr(int8_block_asm(2))
+FMT_INT4, FMT_INT8 = tl.constexpr(0), tl.constexpr(1)
+DEPTH = 1  # blocks of weights in flight a warp while one is worked on (1 or 2)
 
 
 @triton.jit
 def _words(at, ld_q, ok, TILES: tl.constexpr):
     """The lane's 4 words of a block in rows g, g + 8 (and g + 16, g + 24 with two tiles), as two int64
-    a row (weights: may be requested before the previous kernel has finished)."""
-    w0 = tl.load(at, mask=ok, other=0)
-    w1 = tl.load(at + 1, mask=ok, other=0)
-    w2 = tl.load(at + 8 * ld_q, mask=ok, other=0)
-    w3 = tl.load(at + 8 * ld_q + 1, mask=ok, other=0)
+    a row (weights: may be requested before the previous kernel has finished). Words of blocks past
+    the row's end are left undefined, not zeroed (a register fill a load saved): they are never
+    multiplied by anything but x and scales masked to 0, and every bit pattern decodes to a finite bf16."""
+    w0 = tl.load(at, mask=ok)
+    w1 = tl.load(at + 1, mask=ok)
+    w2 = tl.load(at + 8 * ld_q, mask=ok)
+    w3 = tl.load(at + 8 * ld_q + 1, mask=ok)
     if TILES == 2:
-        w4 = tl.load(at + 16 * ld_q, mask=ok, other=0)
-        w5 = tl.load(at + 16 * ld_q + 1, mask=ok, other=0)
-        w6 = tl.load(at + 24 * ld_q, mask=ok, other=0)
-        w7 = tl.load(at + 24 * ld_q + 1, mask=ok, other=0)
+        w4 = tl.load(at + 16 * ld_q, mask=ok)
+        w5 = tl.load(at + 16 * ld_q + 1, mask=ok)
+        w6 = tl.load(at + 24 * ld_q, mask=ok)
+        w7 = tl.load(at + 24 * ld_q + 1, mask=ok)
     else:  # not read
         w4, w5, w6, w7 = w0, w1, w2, w3
     return w0, w1, w2, w3, w4, w5, w6, w7
@@ -125,8 +82,8 @@ def _scaled(d, xs, s_at, z_at, ok, HAS_ZEROS: tl.constexpr):
 
 
 @triton.jit
-def _block(w, xb, s_at, z_at, n_blocks, ok, acc, HAS_ZEROS: tl.constexpr, TILES: tl.constexpr):
-    """``acc += s * (w - z) . x`` over one block for the lane's rows g, g + 8 (g + 16, g + 24); ``xb``
+def _block4(w, xb, s_at, z_at, n_blocks, ok, acc, HAS_ZEROS: tl.constexpr, TILES: tl.constexpr):
+    """``acc += s * (w - z) . x`` over one int4 block for the lane's rows g, g + 8 (g + 16, g + 24); ``xb``
     points at the lane's first 4-element piece of x in the block (x as int64), ``s_at``/``z_at`` at row
     g's scale (zero point) of the block."""
     x = (tl.load(xb, mask=ok, other=0), tl.load(xb + 4, mask=ok, other=0), tl.load(xb + 8, mask=ok, other=0),
@@ -135,14 +92,14 @@ def _block(w, xb, s_at, z_at, n_blocks, ok, acc, HAS_ZEROS: tl.constexpr, TILES:
          tl.load(xb + 28, mask=ok, other=0))
     if TILES == 2:
         d0, d1, d2, d3, xs = tl.inline_asm_elementwise(
-            BLOCK_ASM2, "=f,=f,=f,=f,=f" + ",l" * 16,
+            INT4_ASM2, "=f,=f,=f,=f,=f" + ",l" * 16,
             [w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7], x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7]],
             dtype=(tl.float32, tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
         acc2 = acc[2] + _scaled(d2, xs, s_at + 16 * n_blocks, z_at + 16 * n_blocks, ok, HAS_ZEROS)
         acc3 = acc[3] + _scaled(d3, xs, s_at + 24 * n_blocks, z_at + 24 * n_blocks, ok, HAS_ZEROS)
     else:
         d0, d1, xs = tl.inline_asm_elementwise(
-            BLOCK_ASM, "=f,=f,=f" + ",l" * 12,
+            INT4_ASM, "=f,=f,=f" + ",l" * 12,
             [w[0], w[1], w[2], w[3], x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7]],
             dtype=(tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
         acc2, acc3 = acc[2], acc[3]
@@ -152,20 +109,52 @@ def _block(w, xb, s_at, z_at, n_blocks, ok, acc, HAS_ZEROS: tl.constexpr, TILES:
 
 
 @triton.jit
-def _store(acc, b_ptr, out_ptr, row0, WARPS: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """Rows ``row0 + lane // 4`` from the warps' shares: every t of a row holds its dot (all 8 mma
-    columns are alike), so t = 0 stores."""
+def _block8(w, xb, ok, acc, TILES: tl.constexpr):
+    """``acc += q . x`` over one int8 block for the lane's rows, through the tensor cores' accumulators
+    (the row scale comes at the end); ``xb`` as in ``_block4``. Outside the K range x reads 0."""
+    x = (tl.load(xb, mask=ok, other=0), tl.load(xb + 4, mask=ok, other=0), tl.load(xb + 8, mask=ok, other=0),
+         tl.load(xb + 12, mask=ok, other=0))
+    if TILES == 2:
+        acc0, acc1, acc2, acc3 = tl.inline_asm_elementwise(
+            INT8_ASM2, "=f,=f,=f,=f,f,f,f,f" + ",l" * 12,
+            [acc[0], acc[1], acc[2], acc[3], w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7], x[0], x[1], x[2],
+             x[3]], dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+    else:
+        acc0, acc1 = tl.inline_asm_elementwise(
+            INT8_ASM, "=f,=f,f,f" + ",l" * 8, [acc[0], acc[1], w[0], w[1], w[2], w[3], x[0], x[1], x[2], x[3]],
+            dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+        acc2, acc3 = acc[2], acc[3]
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _block(w, xb, s_at, z_at, n_blocks, ok, acc, FMT: tl.constexpr, HAS_ZEROS: tl.constexpr,
+           TILES: tl.constexpr):
+    if FMT == FMT_INT8:
+        return _block8(w, xb, ok, acc, TILES)
+    else:
+        return _block4(w, xb, s_at, z_at, n_blocks, ok, acc, HAS_ZEROS, TILES)
+
+
+@triton.jit
+def _store(acc, s_ptr, b_ptr, out_ptr, row0, WARPS: tl.constexpr, ROW_SCALE: tl.constexpr,
+           HAS_BIAS: tl.constexpr):
+    """Rows ``row0 + lane // 4`` from the warps' shares (times the row's scale for int8): every t of a
+    row holds its dot (all 8 mma columns are alike), so t = 0 stores."""
     out = tl.sum(tl.reshape(acc, [WARPS, 32]), axis=0)
     lanes = tl.arange(0, 32)
     rows = row0 + lanes // 4
+    if ROW_SCALE:
+        out *= tl.load(s_ptr + rows)
     if HAS_BIAS:
         out += tl.load(b_ptr + rows).to(tl.float32)
     tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=lanes % 4 == 0)
 
 
 @triton.jit
-def _kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, n_blocks, ld_q, WARPS: tl.constexpr, TILES: tl.constexpr,
-            HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr):
+def _kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, n_blocks, ld_q, FMT: tl.constexpr, WARPS: tl.constexpr,
+            TILES: tl.constexpr, DEPTH: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
+            USE_PDL: tl.constexpr):
     # One element per lane: [32 * WARPS] tensors are laid out one per thread, element e on thread e.
     e = tl.arange(0, 32 * WARPS)
     lane = e % 32
@@ -173,42 +162,59 @@ def _kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, n_blocks, ld_q, WARPS: t
     t = lane % 4
     row0 = tl.program_id(0) * 16 * TILES
     row_g = row0 + lane // 4
-    # Pointers at the warp's first block, moved on by WARPS blocks a step: 8 int64 of words a row, 32 of
-    # x (4 bf16 each; piece j of the lane at 4j + t), one scale (zero point) a row.
+    # Pointers at the warp's first block, moved on by WARPS blocks a step: 8 int64 of words a row (both
+    # formats: 64 bytes), the block's x as 4 bf16 per int64 (piece j of the lane at 4j + t), int4's
+    # scale (zero point) of the block a row.
+    X_STEP: tl.constexpr = 32 if FMT == FMT_INT4 else 16
     at = q_ptr + row_g.to(tl.int64) * ld_q + warp * 8 + 2 * t
-    xb = x_ptr + warp * 32 + t
+    xb = x_ptr + warp * X_STEP + t
     s_at = s_ptr + row_g * n_blocks + warp
     z_at = z_ptr + row_g * n_blocks + warp
     zero = tl.zeros([32 * WARPS], tl.float32)
     acc = (zero, zero, zero, zero)
+    # DEPTH blocks of words in flight while a block is worked on (weights: requested before the wait).
     ok = warp < n_blocks
     words = _words(at, ld_q, ok, TILES)
+    if DEPTH == 2:
+        ok_next = warp + WARPS < n_blocks
+        words_next = _words(at + 8 * WARPS, ld_q, ok_next, TILES)
+    else:  # not used
+        ok_next = ok
+        words_next = words
     wait_for_producer(USE_PDL)
     release_dependents(USE_PDL)
     for step in range(1, tl.cdiv(n_blocks, WARPS)):
-        ahead_ok = warp + step * WARPS < n_blocks
-        ahead = _words(at + 8 * WARPS, ld_q, ahead_ok, TILES)  # requested before this block is worked on
-        acc = _block(words, xb, s_at, z_at, n_blocks, ok, acc, HAS_ZEROS, TILES)
-        words, ok = ahead, ahead_ok
+        ahead_ok = warp + (step + DEPTH - 1) * WARPS < n_blocks
+        ahead = _words(at + 8 * WARPS * DEPTH, ld_q, ahead_ok, TILES)
+        acc = _block(words, xb, s_at, z_at, n_blocks, ok, acc, FMT, HAS_ZEROS, TILES)
+        if DEPTH == 2:
+            words, ok = words_next, ok_next
+            words_next, ok_next = ahead, ahead_ok
+        else:
+            words, ok = ahead, ahead_ok
         at += 8 * WARPS
-        xb += 32 * WARPS
+        xb += X_STEP * WARPS
         s_at += WARPS
         z_at += WARPS
-    acc = _block(words, xb, s_at, z_at, n_blocks, ok, acc, HAS_ZEROS, TILES)
-    _store(acc[0], b_ptr, out_ptr, row0, WARPS, HAS_BIAS)
-    _store(acc[1], b_ptr, out_ptr, row0 + 8, WARPS, HAS_BIAS)
+    acc = _block(words, xb, s_at, z_at, n_blocks, ok, acc, FMT, HAS_ZEROS, TILES)
+    ROW_SCALE: tl.constexpr = FMT == FMT_INT8
+    _store(acc[0], s_ptr, b_ptr, out_ptr, row0, WARPS, ROW_SCALE, HAS_BIAS)
+    _store(acc[1], s_ptr, b_ptr, out_ptr, row0 + 8, WARPS, ROW_SCALE, HAS_BIAS)
     if TILES == 2:
-        _store(acc[2], b_ptr, out_ptr, row0 + 16, WARPS, HAS_BIAS)
-        _store(acc[3], b_ptr, out_ptr, row0 + 24, WARPS, HAS_BIAS)
+        _store(acc[2], s_ptr, b_ptr, out_ptr, row0 + 16, WARPS, ROW_SCALE, HAS_BIAS)
+        _store(acc[3], s_ptr, b_ptr, out_ptr, row0 + 24, WARPS, ROW_SCALE, HAS_BIAS)
 
 
 def supports(x: torch.Tensor, w: PackedWeight) -> bool:
-    """One row of bf16 x on a GPU with bf16 mma (sm_80+), int4 in groups of 128 (single-level
-    scales), whole 16-row tiles; not under the interpreter, which cannot run PTX."""
-    return (x.is_cuda and not interpreting() and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] == 1
-            and x.stride(1) == 1 and x.data_ptr() % 16 == 0 and w.fmt == "int4" and w.group_size == GROUP
-            and w.scales2 is None and w.out_features % 16 == 0 and w.in_features == w.n_blocks * GROUP
-            and w.qweight.data_ptr() % 16 == 0 and torch.cuda.get_device_capability(x.device)[0] >= 8)
+    """One row of bf16 x on a GPU with bf16 mma (sm_80+), whole 16-row tiles, and int4 in groups of 128
+    (single-level scales) or int8 whose K is whole 64-element blocks (x is read 4 elements at a time,
+    nothing past K); not under the interpreter, which cannot run PTX."""
+    fmt_ok = ((w.fmt == "int4" and w.group_size == INT4_GROUP and w.scales2 is None) or
+              (w.fmt == "int8" and w.scales.dtype == torch.float32))
+    return (fmt_ok and x.is_cuda and not interpreting() and x.dtype == torch.bfloat16 and x.dim() == 2
+            and x.shape[0] == 1 and x.stride(1) == 1 and x.data_ptr() % 16 == 0 and w.out_features % 16 == 0
+            and w.in_features == w.n_blocks * w.block and w.qweight.data_ptr() % 16 == 0
+            and torch.cuda.get_device_capability(x.device)[0] >= 8)
 
 
 def default_tiles(n: int, device: torch.device) -> tuple[int, int]:
@@ -229,24 +235,25 @@ def default_tiles(n: int, device: torch.device) -> tuple[int, int]:
 
 
 def quant_gemv_mma(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None,
-                   tiles: tuple[int, int] | None = None) -> torch.Tensor:
+                   tiles: tuple[int, int] | None = None, depth: int | None = None) -> torch.Tensor:
     """``x [1, K]`` bf16 -> ``[1, N]`` bf16, bias added; see ``supports``. ``tiles`` overrides
-    ``default_tiles`` (benchmarks)."""
+    ``default_tiles``, ``depth`` (blocks of weights in flight a warp, 1 or 2) ``DEPTH`` (benchmarks)."""
     if not supports(x, w):
-        raise ValueError(f"quant_gemv_mma: needs one contiguous row of bf16 x on a GPU of compute capability 8.0+ "
-                         f"and int4 weights in groups of {GROUP} with whole 16-row tiles; got x {tuple(x.shape)} "
-                         f"{x.dtype} on {x.device}, {w.fmt} group {w.group_size}, {w.out_features} rows")
+        raise ValueError(f"quant_gemv_mma: needs one contiguous row of bf16 x on a GPU of compute capability 8.0+, "
+                         f"whole 16-row tiles, and int4 weights in groups of {INT4_GROUP} or int8 with K a multiple "
+                         f"of {INT8_BLOCK}; got x {tuple(x.shape)} {x.dtype} on {x.device}, {w.fmt} (group "
+                         f"{w.group_size}) of {w.out_features} x {w.in_features}")
     n = w.out_features
     warps, per_warp = tiles or default_tiles(n, x.device)
-    if n % (16 * per_warp):
-        raise ValueError(f"quant_gemv_mma: {per_warp} tiles of 16 rows a warp do not divide {n} rows")
+    depth = depth or DEPTH
+    if n % (16 * per_warp) or depth not in (1, 2):
+        raise ValueError(f"quant_gemv_mma: {per_warp} tiles of 16 rows a warp for {n} rows, depth {depth} (1 or 2)")
     words = w.qweight.view(torch.int64)
     out = torch.empty(1, n, device=x.device, dtype=x.dtype)
     pdl = pdl_enabled(x.device)
     zeros = w.zeros if w.zeros is not None else w.scales  # not read without zero points
     _kernel[(n // (16 * per_warp),)](
         x.view(torch.int64), words, w.scales, zeros, bias if bias is not None else out, out, w.n_blocks,
-        words.stride(0), WARPS=warps, TILES=per_warp, HAS_ZEROS=w.zeros is not None, HAS_BIAS=bias is not None,
-        USE_PDL=pdl, num_warps=warps, launch_pdl=pdl)
+        words.stride(0), FMT=FMT_INT8 if w.fmt == "int8" else FMT_INT4, WARPS=warps, TILES=per_warp, DEPTH=depth,
+        HAS_ZEROS=w.zeros is not None, HAS_BIAS=bias is not None, USE_PDL=pdl, num_warps=warps, launch_pdl=pdl)
     return out
-

@@ -200,28 +200,42 @@ def test_qlora_step_bf16():
     assert losses[-1] < 0.85 * losses[0], losses
 
 
-@pytest.mark.parametrize("tiles", [(4, 1), (8, 1), (16, 1), (8, 2), (16, 2)], ids=str)
-@pytest.mark.parametrize("fmt", ["int4_sym", "int4_asym"])
+@pytest.mark.parametrize("tiles", [(4, 1, 1), (8, 1, 1), (16, 1, 1), (8, 2, 1), (16, 2, 1), (8, 1, 2), (16, 2, 2)],
+                         ids=str)
+@pytest.mark.parametrize("fmt", ["int4_sym", "int4_asym", "int8"])
 @pytest.mark.parametrize("nk", [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (96, 256), (32, 128)], ids=str)
-def test_int4_mma_gemv_matches_reference(nk, fmt, tiles):
+def test_fragment_gemv_matches_reference(nk, fmt, tiles):
     from cudaformers.kernels.quant_gemv_mma import quant_gemv_mma, supports
 
     n, k = nk
+    warps, per_warp, depth = tiles
     g = torch.Generator(device="cuda").manual_seed(n + k)
     w = _packed(fmt, torch.randn(n, k, device="cuda", generator=g) * 0.02)
     x = torch.randn(1, k, device="cuda", generator=g).bfloat16()
     bias = torch.randn(n, device="cuda", generator=g).bfloat16() * 0.1
     assert supports(x, w)
     for b in (None, bias):
-        out = quant_gemv_mma(x, w, b, tiles=tiles)
+        out = quant_gemv_mma(x, w, b, tiles=(warps, per_warp), depth=depth)
         assert out.dtype == torch.bfloat16 and out.shape == (1, n)
         err, bound = _bound(out, x, w, b)
         assert err <= bound, (err, bound)
     # In a CUDA graph, replayed after x changes.
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = quant_gemv_mma(x, w, bias, tiles=tiles)
+        out = quant_gemv_mma(x, w, bias, tiles=(warps, per_warp), depth=depth)
     x.copy_(torch.randn(1, k, device="cuda", generator=g).bfloat16())
     graph.replay()
     err, bound = _bound(out, x, w, bias)
+    assert err <= bound, (err, bound)
+
+
+def test_fragment_gemv_takes_int8_only_in_whole_blocks():
+    from cudaformers.kernels.quant_gemv_mma import quant_gemv_mma, supports
+
+    w = _packed("int8", torch.randn(32, 100, device="cuda") * 0.02)  # K padded to 128 in the packing
+    x = torch.randn(1, 100, device="cuda").bfloat16()
+    assert not supports(x, w)
+    with pytest.raises(ValueError, match="int8 with K a multiple of 64"):
+        quant_gemv_mma(x, w)
+    err, bound = _bound(qm.quant_matmul_triton(x, w), x, w)  # served by the FMA GEMV instead
     assert err <= bound, (err, bound)
