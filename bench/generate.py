@@ -97,6 +97,9 @@ def run_ours(folder, batch, variant, check_eager) -> dict:
     from cudaformers.kernels import hub
 
     hub.GATED_SKINNY = "nogated" not in flags  # nogated: gate/up, then a separate act-and-mul launch
+    from cudaformers.kernels import greedy_advance
+
+    greedy_advance.ONE_LAUNCH = "twoadvance" not in flags  # twoadvance: greedy advance in two launches
     # aloneN: skinny GEMM programs alone on their SM pipeline up to N stages deep (alone3: as before run 20)
     alone_stages = skinny_gemm.ALONE_STAGES
     for f in flags:
@@ -123,6 +126,7 @@ def run_ours(folder, batch, variant, check_eager) -> dict:
         loop.LAGGED_STOP_CHECK, loop.SYNC_EVERY = True, 8
         paged_decode.BUSY_SPLIT_ABOVE, paged_decode.BUSY_SPLIT_TILES, paged_decode.BUSY_STAGES = 2048, 3, 4
         paged_decode.RELEASE_AT = 0
+        greedy_advance.ONE_LAUNCH = True
         paged_decode.default_tiling.cache_clear()
     weight_bytes = sum(p.numel() * p.element_size() for p in set(model.parameters()))
     explain = model.explain()

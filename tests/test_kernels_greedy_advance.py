@@ -91,9 +91,12 @@ def test_bit_exact_against_the_torch_path(rows, vocab, dtype, steps):
         assert (state.out[0, :steps] == 3).all() and int(state.step) == steps
 
 
+@pytest.mark.parametrize("one_launch", [True, False])
 @pytest.mark.parametrize("rows,dtype", [(1, torch.float32), (3, torch.bfloat16)], ids=str)
-def test_several_tiles_and_splits_per_row(monkeypatch, rows, dtype):
-    # 2 splits of 512 columns, two 256-column tiles each (the last one partly past V), as at V > 256k
+def test_several_tiles_and_splits_per_row(monkeypatch, rows, dtype, one_launch):
+    # 2 splits of 512 columns, two 256-column tiles each (the last one partly past V), as at V > 256k;
+    # finished by the last program to arrive, or by a second launch
+    monkeypatch.setattr(ga, "ONE_LAUNCH", one_launch)
     monkeypatch.setattr(ga, "BLOCK_V", 256)
     monkeypatch.setattr(ga, "MAX_SPLITS", 2)
     _run(rows, 1000, dtype, seed=rows, block=256)
@@ -193,12 +196,13 @@ def test_bad_inputs_are_clear_errors():
 
 
 def _ptx_events() -> dict:
-    """In a subprocess with the interpreter off: both launches as compiled for sm90, PDL on."""
+    """In a subprocess with the interpreter off: the launches as compiled for sm90, PDL on, in one launch
+    and in two (``ONE_LAUNCH`` off)."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from test_kernels_pdl import _TYPES, _events, _ptx
 
     _TYPES[torch.bool] = "i1"
-    kernels = {name: getattr(ga, name) for name in ("_partial_argmax", "_finish")}
+    kernels = {name: getattr(ga, name) for name in ("_advance", "_finish")}
     launches = []
 
     class Recorder:
@@ -212,17 +216,23 @@ def _ptx_events() -> dict:
         setattr(ga, name, Recorder(name))
     ga.pdl_enabled = lambda device: True  # the CPU tensors stand in for a Hopper GPU
     os.environ["TRITON_INTERPRET"] = "1"  # supports() accepts the CPU tensors; the kernels stay compiled
-    ga.greedy_advance(torch.randn(3, 9000, dtype=torch.bfloat16), _state(GREEDY, 3, 9000, [1]))
-    return {name: {"events": _events(_ptx(kernels[name], args, kwargs)), "launch_pdl": kwargs.get("launch_pdl")}
-            for name, args, kwargs in launches}
+    out = {}
+    for one in (True, False):
+        ga.ONE_LAUNCH = one
+        launches.clear()
+        ga.greedy_advance(torch.randn(3, 9000, dtype=torch.bfloat16), _state(GREEDY, 3, 9000, [1]))
+        out.update({f"{name}/{'one' if one else 'two'}": {"events": _events(_ptx(kernels[name], args, kwargs)),
+                                                          "launch_pdl": kwargs.get("launch_pdl")}
+                    for name, args, kwargs in launches})
+    return out
 
 
-def test_both_launches_compile_and_keep_the_pdl_contract():
+def test_the_launches_compile_and_keep_the_pdl_contract():
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from test_kernels_pdl import run_probe
 
     probe = run_probe(__file__)
-    assert sorted(probe) == ["_finish", "_partial_argmax"]
+    assert sorted(probe) == ["_advance/one", "_advance/two", "_finish/two"]
     for name, got in probe.items():
         events = got["events"]
         # nothing is loaded or stored before the wait, and the release follows it
@@ -230,6 +240,11 @@ def test_both_launches_compile_and_keep_the_pdl_contract():
         assert events[:2] == ["griddepcontrol.wait", "griddepcontrol.launch_dependents"], (name, events[:4])
         assert events.count("griddepcontrol.wait") == events.count("griddepcontrol.launch_dependents") == 1
         assert any(e.startswith("st.global") for e in events), name
+    # one launch: the arrival is counted after the partials are stored, and the finish follows it
+    one = probe["_advance/one"]["events"]
+    arrival = next(i for i, e in enumerate(one) if e.startswith("atom.global"))
+    assert any(e.startswith("st.global") for e in one[:arrival]) and any(e.startswith("ld.global") for e in one[arrival:])
+    assert not any(e.startswith("atom.global") for e in probe["_advance/two"]["events"])
 
 
 if __name__ == "__main__":

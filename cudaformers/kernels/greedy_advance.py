@@ -1,25 +1,27 @@
-"""generate()'s per-token bookkeeping for plain greedy decoding (``loop.advance``) in two launches.
+"""generate()'s per-token bookkeeping for plain greedy decoding (``loop.advance``) in one launch.
 
 Greedy ``advance`` is a dozen tiny torch kernels per token (eos masking before min_new_tokens, cast,
 argmax, padding of finished rows, the output column, eos flags, ends, the next input and its
 position, ``step += 1``); in the decode graph each costs a launch and a drain (by estimate 25-35 us
 of an ~860 us step at batch 1; W1 rose 7% with this and the fused KV store together, bench/RESULTS.md
-run 9). Here it is two launches, bit-exact:
+run 9). Here it is one launch, bit-exact, grid ``(B, splits)``:
 
-- ``_partial_argmax``: grid ``(B, splits)``. One row is up to 150k logits; a single program per row
-  would stream it at one SM's rate (by estimate several us at batch 1), so the row is cut into
-  ``splits`` chunks of whole ``BLOCK_V`` tiles and each program leaves its chunk's (max, first index
-  of the max, first NaN index) in a scratch buffer. Each lane keeps a running best in registers:
-  one reduction per program, not per tile.
-- ``_finish``: one program combines the partials of every row and does the rest of ``advance``.
-  Combining needs every partial, and ``step += 1`` must follow every read of ``step``: a second
-  launch orders both for free, where one launch would need a grid-wide atomic counter that must
-  also be reset, inside a CUDA graph. One program reads ``step`` once and bumps it last.
+- One row is up to 150k logits; a single program per row would stream it at one SM's rate (by
+  estimate several us at batch 1), so the row is cut into ``splits`` chunks of whole ``BLOCK_V``
+  tiles and each program leaves its chunk's (max, first index of the max, first NaN index) in a
+  scratch buffer. Each lane keeps a running best in registers: one reduction per program, not per
+  tile.
+- Each program then counts its arrival (``arrivals.py``); the last to arrive combines the partials
+  of every row and does the rest of ``advance``, then sets the counter back to zero. It reads
+  ``step`` after every other program has (they read it for the eos mask before arriving) and bumps
+  it last. (Two launches did the same before, one for the partials and one to finish; at batch 1
+  each launch in the decode chain costs ~3.4 us, bench/RESULTS.md run 21.)
 
 argmax is torch's on the fp32 values (bf16/fp16 widen exactly): the first index of the maximum, and
-a NaN counts as the maximum (the first NaN wins). Nothing is read back to the host: capturable. On
-Hopper both launches join the decode chain's programmatic dependent launch (``pdl.py``); they read
-only activations and loop state, so each waits before its first load.
+a NaN counts as the maximum (the first NaN wins). Nothing is read back to the host: capturable, once
+the arrival counters exist (a first call outside a capture makes them; inside a capture without
+them the two-launch form runs). On Hopper the launch joins the decode chain's programmatic dependent
+launch (``pdl.py``); it reads only activations and loop state, so it waits before its first load.
 """
 
 from __future__ import annotations
@@ -30,22 +32,23 @@ import triton
 import triton.language as tl
 
 from ..device import triton_runs_on
+from .arrivals import arrival_counters
 from .grid import cdiv, next_power_of_2
 from .pdl import pdl_enabled, release_dependents, wait_for_producer
 
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BLOCK_V = 4096  # logits one program loads per tile
 MAX_SPLITS = 64  # programs per row at most (longer rows give each program several tiles)
+ONE_LAUNCH = True  # the last program to arrive finishes; False: a second launch does (A/B runs)
 _NONE = tl.constexpr(2 ** 31 - 1)  # "no index": above every column
 
 
 @triton.jit
 def _partial_argmax(LOGITS, PVAL, PIDX, n_cols, stride_row, chunk, n_splits, EOS, STEP, MIN_NEW,
-                    BLOCK: tl.constexpr, MASK_EOS: tl.constexpr, EOS_SLOTS: tl.constexpr, USE_PDL: tl.constexpr):
+                    BLOCK: tl.constexpr, MASK_EOS: tl.constexpr, EOS_SLOTS: tl.constexpr):
+    """This program's chunk of its row: (max, first index of the max, first NaN index) into the scratch."""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
-    wait_for_producer(USE_PDL)
-    release_dependents(USE_PDL)
     start = split * chunk
     lanes = tl.arange(0, BLOCK)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -76,11 +79,10 @@ def _partial_argmax(LOGITS, PVAL, PIDX, n_cols, stride_row, chunk, n_splits, EOS
 
 
 @triton.jit
-def _finish(PVAL, PIDX, n_rows, n_splits, TOKENS, POSITIONS, OUT, stride_out, capacity, FINISHED, ENDS, EOS,
-            n_eos, PAD, STEP, MAX_NEW, BLOCK_B: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr,
-            USE_PDL: tl.constexpr):
-    wait_for_producer(USE_PDL)
-    release_dependents(USE_PDL)
+def _finish_rows(PVAL, PIDX, n_rows, n_splits, TOKENS, POSITIONS, OUT, stride_out, capacity, FINISHED, ENDS, EOS,
+                 n_eos, PAD, STEP, MAX_NEW, BLOCK_B: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Every row's token from the partials, and the rest of ``advance``; ``step`` bumped last. The
+    partials come from other SMs: read from L2 (``.cg``)."""
     step = tl.load(STEP)
     pad = tl.load(PAD)
     max_new = tl.load(MAX_NEW)
@@ -92,9 +94,9 @@ def _finish(PVAL, PIDX, n_rows, n_splits, TOKENS, POSITIONS, OUT, stride_out, ca
         row_ok = rows < n_rows
         ok = row_ok[:, None] & (s < n_splits)
         part = rows[:, None] * n_splits + s
-        val = tl.load(PVAL + part, mask=ok, other=float("-inf"))
-        idx = tl.load(PIDX + part, mask=ok, other=_NONE)
-        first_nan = tl.min(tl.load(PIDX + n_rows * n_splits + part, mask=ok, other=_NONE), 1)
+        val = tl.load(PVAL + part, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        idx = tl.load(PIDX + part, mask=ok, other=_NONE, cache_modifier=".cg")
+        first_nan = tl.min(tl.load(PIDX + n_rows * n_splits + part, mask=ok, other=_NONE, cache_modifier=".cg"), 1)
         top = tl.max(val, 1)
         first_top = tl.min(tl.where(val == top[:, None], idx, _NONE), 1)
         token = tl.where(first_nan != _NONE, first_nan, first_top).to(tl.int64)
@@ -110,6 +112,38 @@ def _finish(PVAL, PIDX, n_rows, n_splits, TOKENS, POSITIONS, OUT, stride_out, ca
         tl.store(TOKENS + rows, token, mask=row_ok)
         tl.store(POSITIONS + rows, tl.load(POSITIONS + rows, mask=row_ok) + 1, mask=row_ok)
     tl.store(STEP, step + 1)
+
+
+@triton.jit
+def _advance(LOGITS, PVAL, PIDX, ARRIVED, n_cols, stride_row, chunk, n_splits, EOS, STEP, MIN_NEW,
+             TOKENS, POSITIONS, OUT, stride_out, capacity, FINISHED, ENDS, n_eos, PAD, MAX_NEW,
+             BLOCK: tl.constexpr, MASK_EOS: tl.constexpr, EOS_SLOTS: tl.constexpr, BLOCK_B: tl.constexpr,
+             BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr, ONE_LAUNCH: tl.constexpr, USE_PDL: tl.constexpr):
+    """The partials; with ONE_LAUNCH the last program to arrive also finishes (else ``_finish`` does)."""
+    wait_for_producer(USE_PDL)
+    release_dependents(USE_PDL)
+    _partial_argmax(LOGITS, PVAL, PIDX, n_cols, stride_row, chunk, n_splits, EOS, STEP, MIN_NEW, BLOCK, MASK_EOS,
+                    EOS_SLOTS)
+    if ONE_LAUNCH:
+        # Every store of this program happens before its arrival is counted (barrier, then a release at
+        # GPU scope); the last arrival acquires them all before it reads.
+        tl.debug_barrier()
+        n_rows = tl.num_programs(0)
+        arrived = tl.atomic_add(ARRIVED, 1, sem="acq_rel", scope="gpu")
+        if arrived == n_rows * n_splits - 1:
+            _finish_rows(PVAL, PIDX, n_rows, n_splits, TOKENS, POSITIONS, OUT, stride_out, capacity, FINISHED, ENDS,
+                         EOS, n_eos, PAD, STEP, MAX_NEW, BLOCK_B, BLOCK_S, BLOCK_E)
+            tl.store(ARRIVED, 0)  # ready for the next launch, which stream order puts after this one
+
+
+@triton.jit
+def _finish(PVAL, PIDX, n_rows, n_splits, TOKENS, POSITIONS, OUT, stride_out, capacity, FINISHED, ENDS, EOS,
+            n_eos, PAD, STEP, MAX_NEW, BLOCK_B: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr,
+            USE_PDL: tl.constexpr):
+    wait_for_producer(USE_PDL)
+    release_dependents(USE_PDL)
+    _finish_rows(PVAL, PIDX, n_rows, n_splits, TOKENS, POSITIONS, OUT, stride_out, capacity, FINISHED, ENDS, EOS,
+                 n_eos, PAD, STEP, MAX_NEW, BLOCK_B, BLOCK_S, BLOCK_E)
 
 
 def is_greedy(kind) -> bool:
@@ -144,16 +178,21 @@ def greedy_advance(logits: torch.Tensor, state) -> None:
     pval = torch.empty(rows, splits, dtype=torch.float32, device=logits.device)
     pidx = torch.empty(2, rows, splits, dtype=torch.int32, device=logits.device)
     pdl = pdl_enabled(logits.device)
-    _partial_argmax[(rows, splits)](logits, pval, pidx, cols, logits.stride(0), chunk, splits, state.eos,
-                                    state.step, state.min_new, BLOCK=BLOCK_V, MASK_EOS=state.kind.min_new,
-                                    EOS_SLOTS=state.eos.numel(), USE_PDL=pdl, num_warps=4, launch_pdl=pdl)
+    arrived = arrival_counters(logits.device, 1) if ONE_LAUNCH else None
     block_s = next_power_of_2(splits)
     block_b = min(next_power_of_2(rows), max(1, 2048 // block_s))
-    _finish[(1,)](pval, pidx, rows, splits, state.tokens, state.positions, state.out, state.out.stride(0),
-                  state.out.shape[1], state.finished, state.ends, state.eos, state.eos.numel(), state.pad, state.step,
-                  state.max_new,
-                  BLOCK_B=block_b, BLOCK_S=block_s, BLOCK_E=next_power_of_2(max(state.eos.numel(), 1)),
-                  USE_PDL=pdl, num_warps=4, launch_pdl=pdl)
+    block_e = next_power_of_2(max(state.eos.numel(), 1))
+    _advance[(rows, splits)](logits, pval, pidx, pidx if arrived is None else arrived, cols, logits.stride(0), chunk,
+                             splits, state.eos, state.step, state.min_new, state.tokens, state.positions, state.out,
+                             state.out.stride(0), state.out.shape[1], state.finished, state.ends, state.eos.numel(),
+                             state.pad, state.max_new, BLOCK=BLOCK_V, MASK_EOS=state.kind.min_new,
+                             EOS_SLOTS=state.eos.numel(), BLOCK_B=block_b, BLOCK_S=block_s, BLOCK_E=block_e,
+                             ONE_LAUNCH=arrived is not None, USE_PDL=pdl, num_warps=4, launch_pdl=pdl)
+    if arrived is None:
+        _finish[(1,)](pval, pidx, rows, splits, state.tokens, state.positions, state.out, state.out.stride(0),
+                      state.out.shape[1], state.finished, state.ends, state.eos, state.eos.numel(), state.pad,
+                      state.step, state.max_new, BLOCK_B=block_b, BLOCK_S=block_s, BLOCK_E=block_e, USE_PDL=pdl,
+                      num_warps=4, launch_pdl=pdl)
 
 
 def greedy_advance_reference(logits: torch.Tensor, state) -> None:

@@ -7,6 +7,7 @@ import torch
 
 from cudaformers.generation.logits import SamplingTensors
 from cudaformers.generation.loop import LoopKind, LoopState, advance
+from cudaformers.kernels import greedy_advance as ga
 from cudaformers.kernels.greedy_advance import greedy_advance, greedy_advance_reference
 
 pytestmark = pytest.mark.gpu
@@ -54,7 +55,9 @@ def _same(a, b, what):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("rows", [1, 32])
 @pytest.mark.parametrize("strided", [False, True])
-def test_eager_steps_match_torch(rows, dtype, strided):
+@pytest.mark.parametrize("one_launch", [True, False])
+def test_eager_steps_match_torch(rows, dtype, strided, one_launch, monkeypatch):
+    monkeypatch.setattr(ga, "ONE_LAUNCH", one_launch)
     ours, ref = _state(rows), _state(rows)
     for step in range(14):  # past max_new: ends and the pad rows keep the torch path's values
         x = _logits(rows, step, dtype, strided)
