@@ -243,7 +243,8 @@ def test_the_launches_compile_and_keep_the_pdl_contract():
     # one launch: the arrival is counted after the partials are stored, and the finish follows it
     one = probe["_advance/one"]["events"]
     arrival = next(i for i, e in enumerate(one) if e.startswith("atom.global"))
-    assert any(e.startswith("st.global") for e in one[:arrival]) and any(e.startswith("ld.global") for e in one[arrival:])
+    assert any(e.startswith("st.global") for e in one[:arrival])
+    assert any(e.startswith("ld.global") for e in one[arrival:])
     assert not any(e.startswith("atom.global") for e in probe["_advance/two"]["events"])
 
 

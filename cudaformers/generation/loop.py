@@ -2,7 +2,7 @@
 
 What a step does after the model (min-new-tokens masking, repetition penalty, sampling, padding of
 finished rows, the output column, stop flags) is ``advance``: fixed-shape tensor operations on
-``LoopState`` with no host reads (for plain greedy decoding, two Triton launches). On a GPU the
+``LoopState`` with no host reads (for plain greedy decoding, one Triton launch). On a GPU the
 model step and ``advance`` are captured together (``DecodeRunner.loop_graph``), so a step costs the
 host one graph replay and the GPU no gaps between small launches. The host reads ``finished`` every
 ``SYNC_EVERY`` steps to stop early (``StopCheck``: on a GPU, the flag copied at the check before, so
@@ -137,7 +137,7 @@ def advance(logits: torch.Tensor, state: LoopState, generator: torch.Generator |
     """Samples this step's token per row from ``logits [B, V]`` and records it as the next step's
     input (``tokens``, ``positions`` + 1); no host reads.
 
-    Plain greedy decoding takes two Triton launches (``kernels/greedy_advance.py``) where Triton runs
+    Plain greedy decoding takes one Triton launch (``kernels/greedy_advance.py``) where Triton runs
     (CUDA, or the interpreter); everything else, and the CPU, runs ``advance_torch``."""
     # Triton is imported only where it runs; supports() checks the kind and the tensors.
     if generator is None and triton_runs_on(logits.device):

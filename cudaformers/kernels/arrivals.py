@@ -2,7 +2,8 @@
 finishes it, inside one launch.
 
 The split-K skinny GEMM (``skinny_gemm.py``), the split quantized tensor-core matmul
-(``quant_mma.py``) and the split paged decode (``paged_decode.py``) all end the same way: each program
+(``quant_mma.py``), the split paged decode (``paged_decode.py``) and greedy decoding's argmax
+(``greedy_advance.py``) all end the same way: each program
 stores its partial, counts its arrival on its tile's counter (``atomic_add`` with acq_rel at GPU
 scope), and the one that arrives last merges the partials in a fixed order and sets the counter back
 to zero. So the counters are zero between launches, and a launch needs nothing zeroed before it:

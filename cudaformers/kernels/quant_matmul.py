@@ -17,8 +17,8 @@ block. A kernel that reads one word per lane thus multiplies code ``j`` of W con
 W *contiguous* activations: x is read with vector loads, once per step, whatever the format. Rows of
 every format quantize independently, so stacking the rows of several layers (q/k/v, gate/up) is exact.
 
-One row of bf16 x against int4 in groups of 128 (decode at batch 1) runs ``quant_gemv_mma.py``, which
-decodes the codes straight into tensor-core fragments; other single rows run the weight-streaming
+One row of bf16 x against int4 in groups of 128 or int8 (decode at batch 1) runs ``quant_gemv_mma.py``,
+which decodes the codes straight into tensor-core fragments; other single rows run the weight-streaming
 GEMV of ``quant_gemv.py`` (or ``quant_mma.py`` where it is faster); more rows run
 the ``tl.dot`` kernel below, which dequantizes one block at a time into x's dtype right before the
 tensor-core dot. Both write x's dtype (bias added) in a single launch. ``dequantize`` and
@@ -44,8 +44,9 @@ INT8_BLOCK = 64  # int8 packing block (elements): 16 words of 4 codes
 # Up to 16 rows of x, int4 (groups >= 128) and int8 run the tensor-core kernel of quant_mma.py; False
 # keeps them on the FMA GEMV / tl.dot kernels (benchmarks compare the two).
 USE_MMA = True
-# One row of bf16 x against int4 in groups of 128 runs quant_gemv_mma.py's kernel (codes decoded
-# straight into mma fragments) where USE_MMA holds; False: quant_mma.py's tl.dot kernel, as before.
+# One row of bf16 x against int4 in groups of 128 or int8 runs quant_gemv_mma.py's kernel (codes decoded
+# straight into mma fragments) where USE_MMA holds; False: the kernels before it (int4: quant_mma.py's
+# tl.dot kernel; int8: the FMA GEMV).
 USE_FRAGMENT_GEMV = True
 
 
