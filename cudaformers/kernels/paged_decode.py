@@ -53,10 +53,6 @@ MAX_SPLITS = 64
 BUSY_SPLIT_ABOVE, BUSY_SPLIT_TILES, BUSY_STAGES = 2048, 3, 4
 # fp32 elements of partial outputs the merging program holds at once (64 registers a thread at 4 warps).
 _MERGE_ELEMENTS = 8192
-# Where each program lets the next kernel (the o projection's GEMV) be scheduled under PDL: 0 right
-# after its wait, 1 once its queries are ready, 2 after its main loop. A dependent launched early
-# streams its weights while this latency-bound program still waits on its own loads.
-RELEASE_AT = 0
 
 
 @triton.jit
@@ -146,7 +142,7 @@ def _paged_decode_kernel(
     MAY_SPLIT: tl.constexpr, SPLIT_TILES: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr, EARLY: tl.constexpr,
     LINES: tl.constexpr, LINE_ELEMS: tl.constexpr, CACHE: tl.constexpr,
-    FUSED: tl.constexpr, HAS_NORM: tl.constexpr, RELEASE: tl.constexpr,
+    FUSED: tl.constexpr, HAS_NORM: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -170,8 +166,7 @@ def _paged_decode_kernel(
     if not EARLY:
         # Everything below reads what earlier kernels of the step wrote (q, the cache, lengths, tables).
         wait_for_producer(USE_PDL)
-        if RELEASE == 0:
-            release_dependents(USE_PDL)
+        release_dependents(USE_PDL)
         # q (and the new token) do not depend on the length: their loads are in flight while the
         # length -> range -> block table chain runs.
         q, k_new, v_new, slot = _query(
@@ -179,8 +174,6 @@ def _paged_decode_kernel(
             partner, sign, rotated, q_w, q_wp, k_w, k_wp, q_eps, k_eps,
             stride_qt, stride_qh, stride_nkt, stride_nkh, stride_nvt, stride_nvh, stride_ct, stride_st,
             HEAD_DIM, HAS_NORM, FUSED)  # q [BLOCK_G, BLOCK_D]
-        if RELEASE == 1:
-            release_dependents(USE_PDL)
     # EARLY: the length and block table are read before the wait. Kernels that had finished before the
     # previous kernel released this grid wrote them (pdl.py); CACHE = ".cg" then reads them from L2,
     # never from a line an SM cached earlier.
@@ -225,15 +218,12 @@ def _paged_decode_kernel(
         prefetch_l2(Kh + first * stride_kt + lines)
         prefetch_l2(Vh + first * stride_vt + lines)
         wait_for_producer(USE_PDL)
-        if RELEASE == 0:
-            release_dependents(USE_PDL)
+        release_dependents(USE_PDL)
         q, k_new, v_new, slot = _query(
             Q, K_NEW, V_NEW, COS, SIN, SLOTS, O, K, V, seq, kv_head, heads, g_mask, offs_d, d_mask,
             partner, sign, rotated, q_w, q_wp, k_w, k_wp, q_eps, k_eps,
             stride_qt, stride_qh, stride_nkt, stride_nkh, stride_nvt, stride_nvh, stride_ct, stride_st,
             HEAD_DIM, HAS_NORM, FUSED)
-        if RELEASE == 1:
-            release_dependents(USE_PDL)
     # FUSED: this launch writes the new token's row (position k_len - 1), so no program reads it from
     # the cache: the tiles stop short of it, and the split whose range holds it (the last used one)
     # adds it to its softmax from registers after them. The main loop stays the plain kernel's: a
@@ -262,8 +252,6 @@ def _paged_decode_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v, PREC, UPCAST)
         m_i = m_new
-    if RELEASE == 2:
-        release_dependents(USE_PDL)
     if FUSED:
         holds_new = split == used - 1
         if holds_new & (k_len > 0):
@@ -481,7 +469,7 @@ def launch(q, out, k_cache, v_cache, seqlens_k, block_table, max_seqlen_k: int, 
         CHUNK_S=max(1, min(block_s, _MERGE_ELEMENTS // (block_gm * bd))),
         PREC=_dot_precision(out.dtype), UPCAST=_UPCAST_DOT, USE_PDL=pdl, EARLY=early, CACHE=".cg" if early else "",
         LINES=next_power_of_2(cdiv(head_dim * k.element_size(), LINE_BYTES)),
-        LINE_ELEMS=LINE_BYTES // k.element_size(), FUSED=new is not None, HAS_NORM=has_norm, RELEASE=RELEASE_AT,
+        LINE_ELEMS=LINE_BYTES // k.element_size(), FUSED=new is not None, HAS_NORM=has_norm,
         num_warps=tiling.num_warps, num_stages=tiling.num_stages, launch_pdl=pdl)
     return out
 
