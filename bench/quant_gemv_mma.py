@@ -19,7 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import graph_us  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
-VARIANTS = [(8, 1, 1), (16, 1, 1), (4, 2, 1), (8, 2, 1), (8, 1, 2), (16, 1, 2), (4, 2, 2), (8, 2, 2), (16, 2, 2)]
+VARIANTS = [(8, 1, 1), (16, 1, 1), (4, 2, 1), (8, 2, 1), (8, 1, 2), (16, 1, 2), (4, 2, 2), (8, 2, 2), (8, 1, 3),
+            (16, 1, 3), (4, 2, 3), (8, 2, 3)]
 
 
 def packed_copies(fmt: str, w32: torch.Tensor):
@@ -49,7 +50,7 @@ def main() -> None:
     from cudaformers.kernels import quant_mma
     from cudaformers.kernels.gemv import gemv
     from cudaformers.kernels.quant_gemv import quant_gemv
-    from cudaformers.kernels.quant_gemv_mma import default_tiles, quant_gemv_mma
+    from cudaformers.kernels.quant_gemv_mma import default_plan, quant_gemv_mma
 
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     total: dict[str, float] = {}
@@ -65,12 +66,12 @@ def main() -> None:
                 rows[f"{fmt} tl.dot kernel"] = (graph_us([lambda w=w: quant_mma.quant_mma(x, w) for w in ws]), nbytes)
             for warps, tiles, depth in VARIANTS:
                 rows[f"{fmt} fragment {warps}w {tiles}t d{depth}"] = (graph_us(
-                    [lambda w=w, c=(warps, tiles), d=depth: quant_gemv_mma(x, w, tiles=c, depth=d) for w in ws]),
+                    [lambda w=w, c=(warps, tiles, depth): quant_gemv_mma(x, w, plan=c) for w in ws]),
                     nbytes)
             ref = qm.quant_matmul_reference(x.float(), ws[0])
             err = (quant_gemv_mma(x, ws[0]).float() - ref).abs().max().item()
             print(f"{name} {n}x{k} {fmt}: {nbytes / 1e6:.1f} MB; fragment GEMV max error {err:.2e} "
-                  f"(|ref| max {ref.abs().max():.2f}); default tiles {default_tiles(n, x.device)}")
+                  f"(|ref| max {ref.abs().max():.2f}); default plan {default_plan(n, fmt, x.device)}")
         for label, (us, nbytes) in rows.items():
             print(f"  {label:30s} {us:7.2f} us  {nbytes / 1e6 / us:5.2f} TB/s")
             total[label] = total.get(label, 0.0) + us

@@ -120,8 +120,8 @@ from cudaformers.kernels import quant_gemv_mma as m
 sig = dict(x_ptr="*i64", q_ptr="*i64", s_ptr="*bf16", z_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16", n_blocks="i32",
            ld_q="i32", FMT="constexpr", WARPS="constexpr", TILES="constexpr", DEPTH="constexpr",
            HAS_ZEROS="constexpr", HAS_BIAS="constexpr", USE_PDL="constexpr")
-for fmt, zeros, tiles, depth in ((0, False, 1, 1), (0, True, 1, 2), (0, True, 2, 1), (1, False, 1, 2),
-                                 (1, False, 2, 1)):
+for fmt, zeros, tiles, depth in ((0, False, 1, 1), (0, True, 1, 2), (0, True, 2, 3), (1, False, 1, 2),
+                                 (1, False, 2, 1), (1, False, 2, 3)):
     src = ASTSource(m._kernel, dict(sig, s_ptr="*fp32" if fmt else "*bf16"),
                     dict(FMT=fmt, WARPS=8, TILES=tiles, DEPTH=depth, HAS_ZEROS=zeros, HAS_BIAS=zeros, USE_PDL=True),
                     {(i,): [["tt.divisibility", 16]] for i in range(6)})
@@ -137,8 +137,8 @@ def test_the_kernel_builds_for_hopper_with_mma_from_registers():
     done = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=600,
                           cwd=root)
     assert done.returncode == 0, done.stderr[-3000:]
-    lines = done.stdout.strip().splitlines()[-5:]
-    assert len(lines) == 5
+    lines = done.stdout.strip().splitlines()[-6:]
+    assert len(lines) == 6
     for line in lines:
         fmt, tiles, mmas, shared_stores, cubin = map(int, line.split())
         # Per block, inlined twice (the loop and the last block): int4 8 mma per tile and 8 for the sum of

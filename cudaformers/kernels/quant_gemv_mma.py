@@ -47,7 +47,7 @@ INT4_ASM2 = tl.constexpr(int4_block_asm(2))
 INT8_ASM = tl.constexpr(int8_block_asm(1))
 INT8_ASM2 = tl.constexpr(int8_block_asm(2))
 FMT_INT4, FMT_INT8 = tl.constexpr(0), tl.constexpr(1)
-DEPTH = 1  # blocks of weights in flight a warp while one is worked on (1 or 2)
+DEPTHS = (1, 2, 3)  # blocks of weights a warp has in flight while it works on one
 
 
 @triton.jit
@@ -175,21 +175,25 @@ def _kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, n_blocks, ld_q, FMT: tl.
     # DEPTH blocks of words in flight while a block is worked on (weights: requested before the wait).
     ok = warp < n_blocks
     words = _words(at, ld_q, ok, TILES)
-    if DEPTH == 2:
-        ok_next = warp + WARPS < n_blocks
-        words_next = _words(at + 8 * WARPS, ld_q, ok_next, TILES)
-    else:  # not used
-        ok_next = ok
-        words_next = words
+    ok_1, words_1 = ok, words  # the next block (DEPTH >= 2)
+    ok_2, words_2 = ok, words  # the one after (DEPTH 3)
+    if DEPTH >= 2:
+        ok_1 = warp + WARPS < n_blocks
+        words_1 = _words(at + 8 * WARPS, ld_q, ok_1, TILES)
+    if DEPTH == 3:
+        ok_2 = warp + 2 * WARPS < n_blocks
+        words_2 = _words(at + 16 * WARPS, ld_q, ok_2, TILES)
     wait_for_producer(USE_PDL)
     release_dependents(USE_PDL)
-    for step in range(1, tl.cdiv(n_blocks, WARPS)):
+    # Unrolled DEPTH times, the blocks in flight rotate through registers without moves.
+    for step in tl.range(1, tl.cdiv(n_blocks, WARPS), loop_unroll_factor=DEPTH):
         ahead_ok = warp + (step + DEPTH - 1) * WARPS < n_blocks
         ahead = _words(at + 8 * WARPS * DEPTH, ld_q, ahead_ok, TILES)
         acc = _block(words, xb, s_at, z_at, n_blocks, ok, acc, FMT, HAS_ZEROS, TILES)
-        if DEPTH == 2:
-            words, ok = words_next, ok_next
-            words_next, ok_next = ahead, ahead_ok
+        if DEPTH == 3:
+            words, ok, words_1, ok_1, words_2, ok_2 = words_1, ok_1, words_2, ok_2, ahead, ahead_ok
+        elif DEPTH == 2:
+            words, ok, words_1, ok_1 = words_1, ok_1, ahead, ahead_ok
         else:
             words, ok = ahead, ahead_ok
         at += 8 * WARPS
@@ -217,37 +221,42 @@ def supports(x: torch.Tensor, w: PackedWeight) -> bool:
             and torch.cuda.get_device_capability(x.device)[0] >= 8)
 
 
-def default_tiles(n: int, device: torch.device) -> tuple[int, int]:
-    """(warps per program, 16-row tiles per warp), from qwen3-8b's layers on an H200 (us per call,
-    bench/quant_gemv_mma.py, bench/RESULTS.md run 21):
+def default_plan(n: int, fmt: str, device: torch.device) -> tuple[int, int, int]:
+    """(warps per program, 16-row tiles per warp, blocks in flight a warp) for ``n`` rows of ``fmt``,
+    from qwen3-8b's layers on an H200 (us per call, bench/quant_gemv_mma.py, bench/RESULTS.md run 22):
 
     - 16 warps, one tile, where the 16-row programs are at most two per SM: more warps put more of a
-      program's blocks in flight (o 5.6 against 6.3 with 8 warps, down 12.0 against 15.2);
-    - two tiles of 8 warps for wide layers, eight or more 32-row programs per SM, which share x, its
-      pairing and its sum over twice the rows (gate/up 19.7 against 21.2 with one tile);
-    - else 8 warps, one tile (q/k/v 7.6 against 10.0 with 16 warps, 9.1 with two tiles)."""
+      program's blocks in flight (int4: o 5.7 against 6.3 with 8 warps, down 12.0 against 15.2);
+    - two tiles a warp where the 32-row programs are four or more per SM (gate/up; a quantized lm_head):
+      they share x, its pairing (and int4's sum of x) over twice the rows (int4 gate/up 20.0 against
+      21.3 with one tile; int8 29.6 with 4 warps against 31.5);
+    - else 8 warps, one tile (q/k/v: int4 7.7 against 10.2 with 16 warps);
+    - int8 keeps two blocks ahead in flight, which each of its layers measured faster (q/k/v 10.4
+      against 11.6, o 7.5 against 7.6, gate/up 29.6 against 35.0, down 16.4 against 18.2); int4 one
+      (o 5.7 against 7.3 with two, down 12.0 against 15.7)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
+    depth = 2 if fmt == "int8" else 1
     if n // 16 <= 2 * sms:
-        return 16, 1
-    if n % 32 == 0 and n // 32 >= 8 * sms:
-        return 8, 2
-    return 8, 1
+        return 16, 1, depth
+    if n % 32 == 0 and n // 32 >= 4 * sms:
+        return (4 if fmt == "int8" else 8), 2, depth
+    return 8, 1, depth
 
 
 def quant_gemv_mma(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None,
-                   tiles: tuple[int, int] | None = None, depth: int | None = None) -> torch.Tensor:
-    """``x [1, K]`` bf16 -> ``[1, N]`` bf16, bias added; see ``supports``. ``tiles`` overrides
-    ``default_tiles``, ``depth`` (blocks of weights in flight a warp, 1 or 2) ``DEPTH`` (benchmarks)."""
+                   plan: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """``x [1, K]`` bf16 -> ``[1, N]`` bf16, bias added; see ``supports``. ``plan`` (warps, tiles a warp,
+    blocks in flight: one of ``DEPTHS``) overrides ``default_plan`` (benchmarks, tests)."""
     if not supports(x, w):
         raise ValueError(f"quant_gemv_mma: needs one contiguous row of bf16 x on a GPU of compute capability 8.0+, "
                          f"whole 16-row tiles, and int4 weights in groups of {INT4_GROUP} or int8 with K a multiple "
                          f"of {INT8_BLOCK}; got x {tuple(x.shape)} {x.dtype} on {x.device}, {w.fmt} (group "
                          f"{w.group_size}) of {w.out_features} x {w.in_features}")
     n = w.out_features
-    warps, per_warp = tiles or default_tiles(n, x.device)
-    depth = depth or DEPTH
-    if n % (16 * per_warp) or depth not in (1, 2):
-        raise ValueError(f"quant_gemv_mma: {per_warp} tiles of 16 rows a warp for {n} rows, depth {depth} (1 or 2)")
+    warps, per_warp, depth = plan or default_plan(n, w.fmt, x.device)
+    if n % (16 * per_warp) or depth not in DEPTHS:
+        raise ValueError(f"quant_gemv_mma: {per_warp} tiles of 16 rows a warp for {n} rows, depth {depth} "
+                         f"(one of {DEPTHS})")
     words = w.qweight.view(torch.int64)
     out = torch.empty(1, n, device=x.device, dtype=x.dtype)
     pdl = pdl_enabled(x.device)

@@ -200,29 +200,28 @@ def test_qlora_step_bf16():
     assert losses[-1] < 0.85 * losses[0], losses
 
 
-@pytest.mark.parametrize("tiles", [(4, 1, 1), (8, 1, 1), (16, 1, 1), (8, 2, 1), (16, 2, 1), (8, 1, 2), (16, 2, 2)],
-                         ids=str)
+@pytest.mark.parametrize("plan", [(4, 1, 1), (8, 1, 1), (16, 1, 1), (8, 2, 1), (16, 2, 1), (8, 1, 2), (16, 2, 2),
+                                  (4, 2, 3), (16, 1, 3), None], ids=str)
 @pytest.mark.parametrize("fmt", ["int4_sym", "int4_asym", "int8"])
 @pytest.mark.parametrize("nk", [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (96, 256), (32, 128)], ids=str)
-def test_fragment_gemv_matches_reference(nk, fmt, tiles):
+def test_fragment_gemv_matches_reference(nk, fmt, plan):
     from cudaformers.kernels.quant_gemv_mma import quant_gemv_mma, supports
 
     n, k = nk
-    warps, per_warp, depth = tiles
     g = torch.Generator(device="cuda").manual_seed(n + k)
     w = _packed(fmt, torch.randn(n, k, device="cuda", generator=g) * 0.02)
     x = torch.randn(1, k, device="cuda", generator=g).bfloat16()
     bias = torch.randn(n, device="cuda", generator=g).bfloat16() * 0.1
     assert supports(x, w)
     for b in (None, bias):
-        out = quant_gemv_mma(x, w, b, tiles=(warps, per_warp), depth=depth)
+        out = quant_gemv_mma(x, w, b, plan=plan)
         assert out.dtype == torch.bfloat16 and out.shape == (1, n)
         err, bound = _bound(out, x, w, b)
         assert err <= bound, (err, bound)
     # In a CUDA graph, replayed after x changes.
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = quant_gemv_mma(x, w, bias, tiles=(warps, per_warp), depth=depth)
+        out = quant_gemv_mma(x, w, bias, plan=plan)
     x.copy_(torch.randn(1, k, device="cuda", generator=g).bfloat16())
     graph.replay()
     err, bound = _bound(out, x, w, bias)
