@@ -127,7 +127,7 @@ for fmt, zeros, tiles, depth in ((0, False, 1, 1), (0, True, 1, 2), (0, True, 2,
                     {(i,): [["tt.divisibility", 16]] for i in range(6)})
     c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
     ptx = c.asm["ptx"]
-    print(fmt, tiles, ptx.count("mma.sync.aligned.m16n8k16"), ptx.count("st.shared"), len(c.asm["cubin"]))
+    print(fmt, tiles, depth, ptx.count("mma.sync.aligned.m16n8k16"), ptx.count("st.shared"), len(c.asm["cubin"]))
 """
 
 
@@ -140,9 +140,10 @@ def test_the_kernel_builds_for_hopper_with_mma_from_registers():
     lines = done.stdout.strip().splitlines()[-6:]
     assert len(lines) == 6
     for line in lines:
-        fmt, tiles, mmas, shared_stores, cubin = map(int, line.split())
-        # Per block, inlined twice (the loop and the last block): int4 8 mma per tile and 8 for the sum of
-        # x; int8 two per word and tile. The loop moves nothing through shared memory (only the final
-        # sums over warps do).
-        assert mmas == (2 * 8 * tiles if fmt else 2 * 8 * (tiles + 1)) and cubin > 0
+        fmt, tiles, depth, mmas, shared_stores, cubin = map(int, line.split())
+        # Per block int4 has 8 mma per tile and 8 for the sum of x, int8 two per word and tile; a block is
+        # inlined in the loop (unrolled ``depth`` times, plus its remainder loop) and once after it. The
+        # loop moves nothing through shared memory (only the final sums over warps do).
+        copies = depth + 2 if depth > 1 else 2
+        assert mmas == (8 * tiles if fmt else 8 * (tiles + 1)) * copies and cubin > 0
         assert shared_stores <= 4 * tiles
