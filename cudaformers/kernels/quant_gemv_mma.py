@@ -225,22 +225,23 @@ def default_plan(n: int, fmt: str, device: torch.device) -> tuple[int, int, int]
     """(warps per program, 16-row tiles per warp, blocks in flight a warp) for ``n`` rows of ``fmt``,
     from qwen3-8b's layers on an H200 (us per call, bench/quant_gemv_mma.py, bench/RESULTS.md run 22):
 
-    - 16 warps, one tile, where the 16-row programs are at most two per SM: more warps put more of a
-      program's blocks in flight (int4: o 5.7 against 6.3 with 8 warps, down 12.0 against 15.2);
-    - two tiles a warp where the 32-row programs are four or more per SM (gate/up; a quantized lm_head):
-      they share x, its pairing (and int4's sum of x) over twice the rows (int4 gate/up 20.0 against
-      21.3 with one tile; int8 29.6 with 4 warps against 31.5);
-    - else 8 warps, one tile (q/k/v: int4 7.7 against 10.2 with 16 warps);
-    - int8 keeps two blocks ahead in flight, which each of its layers measured faster (q/k/v 10.4
-      against 11.6, o 7.5 against 7.6, gate/up 29.6 against 35.0, down 16.4 against 18.2); int4 one
-      (o 5.7 against 7.3 with two, down 12.0 against 15.7)."""
+    - 16 warps where the 16-row programs are at most two per SM: more warps put more of a program's
+      blocks in flight (int4: o 5.5 against 6.3 with 8 warps, down 12.0 against 15.1; int8: o 7.7
+      against 8.9, down 16.9 against 22.0, two blocks deep);
+    - int4: two tiles a warp where the 32-row programs are four or more per SM (gate/up, a quantized
+      lm_head), which share x, its pairing and its sum over twice the rows (gate/up 20.0 against 21.3);
+      else one tile, two blocks deep (q/k/v 6.8 against 7.6 one deep);
+    - int8: one tile, three blocks deep (q/k/v 10.3 against 11.5 one deep, gate/up 31.6 against 35.9;
+      two tiles measured slower on every layer)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    depth = 2 if fmt == "int8" else 1
-    if n // 16 <= 2 * sms:
-        return 16, 1, depth
+    few = n // 16 <= 2 * sms
+    if fmt == "int8":
+        return (16, 1, 2) if few else (8, 1, 3)
+    if few:
+        return 16, 1, 1
     if n % 32 == 0 and n // 32 >= 4 * sms:
-        return (4 if fmt == "int8" else 8), 2, depth
-    return 8, 1, depth
+        return 8, 2, 1
+    return 8, 1, 2
 
 
 def quant_gemv_mma(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None,
