@@ -97,6 +97,7 @@ def test_several_tiles_and_splits_per_row(monkeypatch, rows, dtype, one_launch):
     # 2 splits of 512 columns, two 256-column tiles each (the last one partly past V), as at V > 256k;
     # finished by the last program to arrive, or by a second launch
     monkeypatch.setattr(ga, "ONE_LAUNCH", one_launch)
+    monkeypatch.setattr(ga, "sm_count", lambda device, off_gpu: 6)  # 3 rows x 2 splits fit in one wave
     monkeypatch.setattr(ga, "BLOCK_V", 256)
     monkeypatch.setattr(ga, "MAX_SPLITS", 2)
     _run(rows, 1000, dtype, seed=rows, block=256)
@@ -195,6 +196,24 @@ def test_bad_inputs_are_clear_errors():
             ga.greedy_advance(bad, state)
 
 
+@pytest.mark.parametrize("sms,launches", [(6, 1), (5, 2)])
+def test_a_grid_past_one_program_per_sm_finishes_in_a_second_launch(monkeypatch, sms, launches):
+    # 3 rows x 2 splits: one wave on 6 SMs; on 5 the atomics on one counter would cost more than a launch
+    monkeypatch.setattr(ga, "BLOCK_V", 256)
+    monkeypatch.setattr(ga, "MAX_SPLITS", 2)
+    monkeypatch.setattr(ga, "sm_count", lambda device, off_gpu: sms)
+    finish, calls = ga._finish, []
+
+    class Counting:
+        def __getitem__(self, grid):
+            calls.append(grid)
+            return finish[grid]
+
+    monkeypatch.setattr(ga, "_finish", Counting())
+    _run(3, 1000, torch.float32, steps=5, seed=7, block=256)  # bit for bit the torch path, either way
+    assert len(calls) == (5 if launches == 2 else 0)
+
+
 def _ptx_events() -> dict:
     """In a subprocess with the interpreter off: the launches as compiled for sm90, PDL on, in one launch
     and in two (``ONE_LAUNCH`` off)."""
@@ -217,6 +236,7 @@ def _ptx_events() -> dict:
     ga.pdl_enabled = lambda device: True  # the CPU tensors stand in for a Hopper GPU
     os.environ["TRITON_INTERPRET"] = "1"  # supports() accepts the CPU tensors; the kernels stay compiled
     out = {}
+    ga.sm_count = lambda device, off_gpu: 132  # an H200: 3 rows x 3 splits finish in one launch
     for one in (True, False):
         ga.ONE_LAUNCH = one
         launches.clear()

@@ -14,8 +14,9 @@ run 9). Here it is one launch, bit-exact, grid ``(B, splits)``:
 - Each program then counts its arrival (``arrivals.py``); the last to arrive combines the partials
   of every row and does the rest of ``advance``, then sets the counter back to zero. It reads
   ``step`` after every other program has (they read it for the eos mask before arriving) and bumps
-  it last. (Two launches did the same before, one for the partials and one to finish; at batch 1
-  each launch in the decode chain costs ~3.4 us, bench/RESULTS.md run 21.)
+  it last. That takes a grid of at most one program per SM (batch 1-3 at Qwen3's vocabulary); a
+  larger one finishes in a second launch (``ONE_LAUNCH`` has the figures). At batch 1 each launch
+  in the decode chain costs ~3.4 us (bench/RESULTS.md run 21).
 
 argmax is torch's on the fp32 values (bf16/fp16 widen exactly): the first index of the maximum, and
 a NaN counts as the maximum (the first NaN wins). Nothing is read back to the host: capturable, once
@@ -33,13 +34,17 @@ import triton.language as tl
 
 from ..device import triton_runs_on
 from .arrivals import arrival_counters
-from .grid import cdiv, next_power_of_2
+from .grid import cdiv, next_power_of_2, sm_count
 from .pdl import pdl_enabled, release_dependents, wait_for_producer
 
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BLOCK_V = 4096  # logits one program loads per tile
 MAX_SPLITS = 64  # programs per row at most (longer rows give each program several tiles)
-ONE_LAUNCH = True  # the last program to arrive finishes; False: a second launch does (A/B runs)
+# The last program to arrive finishes where the grid is at most one program per SM; False: a second
+# launch always does (A/B runs). Every program counts its arrival on one counter, and at batch 32
+# (~1,200 programs) those atomics cost more than the launch: W3 25,227 against 25,507 tok/s in two
+# launches, while W1 gained 1,449-1,456 against 1,444-1,447 (H200, bench/RESULTS.md run 22).
+ONE_LAUNCH = True
 _NONE = tl.constexpr(2 ** 31 - 1)  # "no index": above every column
 
 
@@ -178,7 +183,8 @@ def greedy_advance(logits: torch.Tensor, state) -> None:
     pval = torch.empty(rows, splits, dtype=torch.float32, device=logits.device)
     pidx = torch.empty(2, rows, splits, dtype=torch.int32, device=logits.device)
     pdl = pdl_enabled(logits.device)
-    arrived = arrival_counters(logits.device, 1) if ONE_LAUNCH else None
+    one = ONE_LAUNCH and rows * splits <= sm_count(logits.device, 4)
+    arrived = arrival_counters(logits.device, 1) if one else None
     block_s = next_power_of_2(splits)
     block_b = min(next_power_of_2(rows), max(1, 2048 // block_s))
     block_e = next_power_of_2(max(state.eos.numel(), 1))

@@ -7,6 +7,25 @@ with them (about 700 calls in a qwen3-0.6b mixed step, bench/profile_engine.py -
 such steps are bound by the host, so host code uses these instead; kernels keep ``tl.cdiv``.
 """
 
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device, off_gpu: int) -> int:
+    """The SMs of a CUDA ``device`` (cached: the property lookup costs host time per launch), else
+    ``off_gpu``: what a caller sizes its grids by on the CPU (the interpreter's tests)."""
+    if device.type != "cuda":
+        return off_gpu
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
 
 def cdiv(a: int, b: int) -> int:
     """``ceil(a / b)`` for integers, as ``triton.cdiv``."""

@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .grid import sm_count
 from .pdl import pdl_enabled, release_dependents, wait_for_producer
 from .quant_fragments import INT4_GROUP, INT8_BLOCK, int4_block_asm, int8_block_asm
 from .quant_matmul import PackedWeight, interpreting
@@ -233,7 +234,7 @@ def default_plan(n: int, fmt: str, device: torch.device) -> tuple[int, int, int]
       else one tile, two blocks deep (q/k/v 6.8 against 7.6 one deep);
     - int8: one tile, three blocks deep (q/k/v 10.3 against 11.5 one deep, gate/up 31.6 against 35.9;
       two tiles measured slower on every layer)."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = sm_count(device, 8)
     few = n // 16 <= 2 * sms
     if fmt == "int8":
         return (16, 1, 2) if few else (8, 1, 3)

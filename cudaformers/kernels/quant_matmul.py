@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from .grid import cdiv
+from .grid import sm_count as grid_sm_count
 
 
 FMT_INT8, FMT_INT4, FMT_LUT4 = 0, 1, 2
@@ -243,16 +244,8 @@ def _gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, code_ptr, s2_ptr, offset, b_ptr, ou
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & (rows[None, :] < N))
 
 
-_SM_COUNT: dict[int, int] = {}
-
-
 def sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
+    return grid_sm_count(device, 8)
 
 
 def kernel_args(w: PackedWeight) -> tuple:
