@@ -119,11 +119,12 @@ from triton.compiler import ASTSource
 from cudaformers.kernels import quant_gemv_mma as m
 sig = dict(x_ptr="*i64", q_ptr="*i64", s_ptr="*bf16", z_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16", n_blocks="i32",
            ld_q="i32", FMT="constexpr", WARPS="constexpr", TILES="constexpr", DEPTH="constexpr",
-           HAS_ZEROS="constexpr", HAS_BIAS="constexpr", USE_PDL="constexpr")
+           HAS_ZEROS="constexpr", HAS_BIAS="constexpr", EVEN="constexpr", USE_PDL="constexpr")
 for fmt, zeros, tiles, depth in ((0, False, 1, 1), (0, True, 1, 2), (0, True, 2, 3), (1, False, 1, 2),
                                  (1, False, 2, 1), (1, False, 2, 3)):
     src = ASTSource(m._kernel, dict(sig, s_ptr="*fp32" if fmt else "*bf16"),
-                    dict(FMT=fmt, WARPS=8, TILES=tiles, DEPTH=depth, HAS_ZEROS=zeros, HAS_BIAS=zeros, USE_PDL=True),
+                    dict(FMT=fmt, WARPS=8, TILES=tiles, DEPTH=depth, HAS_ZEROS=zeros, HAS_BIAS=zeros, EVEN=zeros or tiles == 2,
+                         USE_PDL=True),
                     {(i,): [["tt.divisibility", 16]] for i in range(6)})
     c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
     ptx = c.asm["ptx"]

@@ -155,7 +155,7 @@ def _store(acc, s_ptr, b_ptr, out_ptr, row0, WARPS: tl.constexpr, ROW_SCALE: tl.
 @triton.jit
 def _kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, n_blocks, ld_q, FMT: tl.constexpr, WARPS: tl.constexpr,
             TILES: tl.constexpr, DEPTH: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
-            USE_PDL: tl.constexpr):
+            EVEN: tl.constexpr, USE_PDL: tl.constexpr):
     # One element per lane: [32 * WARPS] tensors are laid out one per thread, element e on thread e.
     e = tl.arange(0, 32 * WARPS)
     lane = e % 32
@@ -174,22 +174,35 @@ def _kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, n_blocks, ld_q, FMT: tl.
     zero = tl.zeros([32 * WARPS], tl.float32)
     acc = (zero, zero, zero, zero)
     # DEPTH blocks of words in flight while a block is worked on (weights: requested before the wait).
-    ok = warp < n_blocks
+    # EVEN: every warp has the same number of blocks, at least DEPTH: no load needs a mask (a constant
+    # true one folds away, and with it the register fills of masked loads); the blocks "ahead" of the
+    # last ones re-read the current block instead of reading past the row.
+    steps = tl.cdiv(n_blocks, WARPS)
+    if EVEN:
+        ok = tl.full([32 * WARPS], 1, tl.int1)
+    else:
+        ok = warp < n_blocks
     words = _words(at, ld_q, ok, TILES)
     ok_1, words_1 = ok, words  # the next block (DEPTH >= 2)
     ok_2, words_2 = ok, words  # the one after (DEPTH 3)
     if DEPTH >= 2:
-        ok_1 = warp + WARPS < n_blocks
+        if not EVEN:
+            ok_1 = warp + WARPS < n_blocks
         words_1 = _words(at + 8 * WARPS, ld_q, ok_1, TILES)
     if DEPTH == 3:
-        ok_2 = warp + 2 * WARPS < n_blocks
+        if not EVEN:
+            ok_2 = warp + 2 * WARPS < n_blocks
         words_2 = _words(at + 16 * WARPS, ld_q, ok_2, TILES)
     wait_for_producer(USE_PDL)
     release_dependents(USE_PDL)
     # Unrolled DEPTH times, the blocks in flight rotate through registers without moves.
-    for step in tl.range(1, tl.cdiv(n_blocks, WARPS), loop_unroll_factor=DEPTH):
-        ahead_ok = warp + (step + DEPTH - 1) * WARPS < n_blocks
-        ahead = _words(at + 8 * WARPS * DEPTH, ld_q, ahead_ok, TILES)
+    for step in tl.range(1, steps, loop_unroll_factor=DEPTH):
+        if EVEN:
+            ahead_ok = ok
+            ahead = _words(at + tl.where(step + DEPTH - 1 < steps, 8 * WARPS * DEPTH, 0), ld_q, ahead_ok, TILES)
+        else:
+            ahead_ok = warp + (step + DEPTH - 1) * WARPS < n_blocks
+            ahead = _words(at + 8 * WARPS * DEPTH, ld_q, ahead_ok, TILES)
         acc = _block(words, xb, s_at, z_at, n_blocks, ok, acc, FMT, HAS_ZEROS, TILES)
         if DEPTH == 3:
             words, ok, words_1, ok_1, words_2, ok_2 = words_1, ok_1, words_2, ok_2, ahead, ahead_ok
@@ -266,5 +279,6 @@ def quant_gemv_mma(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None =
     _kernel[(n // (16 * per_warp),)](
         x.view(torch.int64), words, w.scales, zeros, bias if bias is not None else out, out, w.n_blocks,
         words.stride(0), FMT=FMT_INT8 if w.fmt == "int8" else FMT_INT4, WARPS=warps, TILES=per_warp, DEPTH=depth,
-        HAS_ZEROS=w.zeros is not None, HAS_BIAS=bias is not None, USE_PDL=pdl, num_warps=warps, launch_pdl=pdl)
+        HAS_ZEROS=w.zeros is not None, HAS_BIAS=bias is not None,
+        EVEN=w.n_blocks % warps == 0 and w.n_blocks >= depth * warps, USE_PDL=pdl, num_warps=warps, launch_pdl=pdl)
     return out

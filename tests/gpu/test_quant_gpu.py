@@ -203,7 +203,8 @@ def test_qlora_step_bf16():
 @pytest.mark.parametrize("plan", [(4, 1, 1), (8, 1, 1), (16, 1, 1), (8, 2, 1), (16, 2, 1), (8, 1, 2), (16, 2, 2),
                                   (4, 2, 3), (16, 1, 3), None], ids=str)
 @pytest.mark.parametrize("fmt", ["int4_sym", "int4_asym", "int8"])
-@pytest.mark.parametrize("nk", [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (96, 256), (32, 128)], ids=str)
+@pytest.mark.parametrize("nk", [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (96, 256), (32, 128),
+                                (64, 4224), (32, 1152)], ids=str)  # and blocks not a multiple of the warps
 def test_fragment_gemv_matches_reference(nk, fmt, plan):
     from cudaformers.kernels.quant_gemv_mma import quant_gemv_mma, supports
 
