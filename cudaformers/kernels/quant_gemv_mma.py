@@ -1,37 +1,29 @@
-"""int4 GEMV on the tensor cores with the weights decoded straight into mma fragments: one row of
-bf16 x (decode at batch 1), groups of 128, the plane packing of ``quant_matmul.py`` as it lies.
+"""int4 and int8 GEMV on the tensor cores with the weights decoded straight into mma fragments: one
+row of bf16 x (decode at batch 1), int4 in groups of 128 or int8 with one scale a row, the plane
+packing of ``quant_matmul.py`` as it lies.
 
 Why: at batch 1 the FMA GEMV (``quant_gemv.py``) spends ~3.2 instructions per int4 weight (an AND
 and an FMA per code plus the zero point, the scale and the activation's share; sm_90 SASS), and the
 ``tl.dot`` kernel (``quant_mma.py``) ~2.9, most of it moving tiles through shared memory into the
 dot's layout. An H200 streams ~7 G int4 weights per ms, about what its SMs issue at 4-5 instructions
 a weight: the kernels are issue-bound, not memory-bound. Here every lane loads the words whose codes
-its own ``mma.sync.m16n8k16`` fragment holds, so nothing moves between lanes:
+its own ``mma.sync.m16n8k16`` fragment holds, so nothing moves between lanes; ``quant_fragments.py``
+has the PTX of a block and how codes become fragments (int4: 8 codes in 7 instructions, the sum of x
+for the bias and zero point from one more mma; int8: a byte as two bf16 slots, its low 7 bits and
+its sign bit, summing to the signed code, so no bias at all).
 
-* A warp owns a 16-row tile. Lane ``(g, t)`` (``g = lane // 4``, ``t = lane % 4``) holds rows ``g``
-  and ``g + 8``; of each block's 16 words per row it loads words ``4t .. 4t + 3``. Word ``i``'s code
-  ``j`` is element ``16 j + i`` of the block, and codes ``p`` and ``p + 4`` sit 16 bits apart, so one
-  ``lop3`` of the word shifted by ``4 p`` yields a register of two bf16 ``128 + code`` (the exponent
-  of 2**7 ORed in): an A fragment pair, 8 codes in 7 instructions.
-* An mma contracts 16 "slots"; which element of the block a slot stands for is free, as long as A
-  and B agree. Lane ``(g, t)``'s slots ``2t, 2t + 1, 2t + 8, 2t + 9`` stand for the elements of its own
-  codes, the same for every ``g``; its B fragment is x at those elements (two ``prmt`` pick them from
-  the 8-byte pieces of x it loads), identical in all 8 columns, so each output column is the row's
-  dot product. 8 mmas cover a block; 8 more with A = 1 give ``sum(x)`` over the block in fp32.
-* Per block: ``s * (sum((128 + q) x) - (128 + z) sum(x))``, in fp32. Products are exact (bf16
-  inputs), the bias costs ~7 of fp32's 24 bits of the sum: far below the bf16 output's rounding.
-
-Warps of a program take interleaved blocks of the same rows (split K inside the program, summed at
-the end), so a program streams its rows with several warps' loads in flight; the next block's words
-are requested before the current one is worked on. Wide layers give each warp two 16-row tiles,
-which share x, its pairing and its sum. The compiled loop spends ~2.5 instructions a weight with one
-tile and ~2.2 with two (sm_90 SASS, against ~3.2 for the FMA GEMV), and qwen3-8b's layers stream
-their int4 bytes at 1.55-2.65 TB/s on an H200 against 1.0-1.5 for the FMA GEMV
-(bench/quant_gemv_mma.py, bench/RESULTS.md run 21). The PTX of a block runs on the CPU in the tests,
-lane by lane through tests/ptx_exec.py with the ISA's fragment layouts, against the plain dot
+A warp owns a 16-row tile (or two, which share x and its pairing); warps of a program take
+interleaved blocks of the same rows (split K inside the program, summed at the end). int4 applies
+each block's scale and zero point in fp32 as the block ends; int8 carries its sums in the tensor
+cores' accumulators and applies the row scale once. Each warp keeps ``DEPTH`` blocks of words in
+flight while it works on one (the loop unrolled by the depth, so they rotate through registers
+without moves), and where every warp has the same number of blocks no load is masked.
+``default_plan`` picks warps, tiles and depth per format and layer size. On an H200 qwen3-8b's layers
+stream at 1.6-2.5 TB/s (int4) and 2.2-3.2 TB/s (int8), against 1.0-1.5 and 1.8-2.7 for the FMA GEMV
+(bench/quant_gemv_mma.py, bench/RESULTS.md runs 21-22). The PTX of a block runs on the CPU in the
+tests, lane by lane through tests/ptx_exec.py with the ISA's fragment layouts, against the plain dot
 product; the kernel itself runs on the GPU only.
 """
-
 from __future__ import annotations
 
 import torch
