@@ -45,12 +45,16 @@ def packed_copies(fmt: str, w32: torch.Tensor):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--formats", default="int4,int8")
+    ap.add_argument("--unmasked", action="store_true", help="loads without masks where the blocks divide evenly")
     args = ap.parse_args()
     from cudaformers.kernels import quant_matmul as qm
     from cudaformers.kernels import quant_mma
     from cudaformers.kernels.gemv import gemv
     from cudaformers.kernels.quant_gemv import quant_gemv
+    from cudaformers.kernels import quant_gemv_mma as module
     from cudaformers.kernels.quant_gemv_mma import default_plan, quant_gemv_mma
+
+    module.UNMASKED_EVEN = args.unmasked
 
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     total: dict[str, float] = {}

@@ -205,8 +205,12 @@ def test_qlora_step_bf16():
 @pytest.mark.parametrize("fmt", ["int4_sym", "int4_asym", "int8"])
 @pytest.mark.parametrize("nk", [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (96, 256), (32, 128),
                                 (64, 4224), (32, 1152)], ids=str)  # and blocks not a multiple of the warps
-def test_fragment_gemv_matches_reference(nk, fmt, plan):
+@pytest.mark.parametrize("unmasked", [False, True], ids=["masked", "unmasked"])
+def test_fragment_gemv_matches_reference(nk, fmt, plan, unmasked, monkeypatch):
+    from cudaformers.kernels import quant_gemv_mma as module
     from cudaformers.kernels.quant_gemv_mma import quant_gemv_mma, supports
+
+    monkeypatch.setattr(module, "UNMASKED_EVEN", unmasked)
 
     n, k = nk
     g = torch.Generator(device="cuda").manual_seed(n + k)
