@@ -88,6 +88,9 @@ def run_ours(folder, batch, variant, check_eager) -> dict:
     for f in flags:
         if f.startswith("skinny") and f[6:].isdigit():
             skinny_gemm.WIDE_PROGRAMS_PER_SM = int(f[6:]) / 100
+        if f.startswith("lat") and f.count(".") == 2:  # latW.N.S: batch-1 paged-decode tiles
+            paged_decode.LATENCY_WARPS, paged_decode.LATENCY_KEYS, paged_decode.LATENCY_STAGES = map(
+                int, f[3:].split("."))
         if f.startswith("split") and f.count(".") == 2:
             paged_decode.BUSY_SPLIT_ABOVE, paged_decode.BUSY_SPLIT_TILES, paged_decode.BUSY_STAGES = map(
                 int, f[5:].split("."))
@@ -123,6 +126,7 @@ def run_ours(folder, batch, variant, check_eager) -> dict:
         skinny_gemm.ALONE_STAGES = alone_stages
         loop.LAGGED_STOP_CHECK, loop.SYNC_EVERY = True, 8
         paged_decode.BUSY_SPLIT_ABOVE, paged_decode.BUSY_SPLIT_TILES, paged_decode.BUSY_STAGES = 2048, 3, 4
+        paged_decode.LATENCY_WARPS, paged_decode.LATENCY_KEYS, paged_decode.LATENCY_STAGES = 4, 0, 2
         greedy_advance.ONE_LAUNCH = True
         paged_decode.default_tiling.cache_clear()
     weight_bytes = sum(p.numel() * p.element_size() for p in set(model.parameters()))

@@ -51,6 +51,11 @@ MAX_SPLITS = 64
 # Busy grids (a program per SM or more): split contexts past this many keys into pieces of at least
 # this many tiles, each program keeping BUSY_STAGES - 1 tiles in flight (default_tiling).
 BUSY_SPLIT_ABOVE, BUSY_SPLIT_TILES, BUSY_STAGES = 2048, 3, 4
+# Grids of fewer programs than SMs (decode at batch 1): warps, keys a tile (0: 32 KB of K at bf16) and
+# stages. At qwen3-0.6b's shapes the default compiles to 255 registers a thread with 56 bytes of spills
+# (144 with qk_norm_rope fused in), 8 warps of 64-key tiles to 188 (196) without spills (sm_90); which
+# is faster has not been measured (bench/generate.py "latW.N.S").
+LATENCY_WARPS, LATENCY_KEYS, LATENCY_STAGES = 4, 0, 2
 # fp32 elements of partial outputs the merging program holds at once (64 registers a thread at 4 warps).
 _MERGE_ELEMENTS = 8192
 
@@ -344,8 +349,9 @@ def default_tiling(num_seqs: int, num_kv_heads: int, head_dim: int, dtype: torch
         block_n, stages = (64, 2) if bd <= 128 else (16, 4)
         tiling = DecodeTiling(block_n, 4, stages, 2048 if busy else 8 * block_n, max(1, stages - 1))
     elif not busy and bd <= 128:  # B=1 x 256-800 keys: 15-25% faster than 16 KB tiles
-        block_n = 16384 // bd
-        tiling = DecodeTiling(block_n=block_n, num_warps=4, num_stages=2, split_above=block_n, split_tiles=1)
+        block_n = LATENCY_KEYS or 16384 // bd
+        tiling = DecodeTiling(block_n=block_n, num_warps=LATENCY_WARPS, num_stages=LATENCY_STAGES,
+                              split_above=block_n, split_tiles=1)
     else:  # B=128-256 x 256-800 keys: 8 KB tiles 8-15% faster; B=32: 16 KB tiles faster
         block_n = 4096 // bd if programs >= 4 * _sms(device) else 8192 // bd
         tiling = DecodeTiling(block_n=block_n, num_warps=4, num_stages=BUSY_STAGES,
