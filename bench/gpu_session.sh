@@ -131,6 +131,14 @@ for part in "${parts[@]}"; do
     inputs-ab) run inputs-ab 150 python3 bench/generate.py --skip-hf --workloads W1,W3 --check-eager \
                  --variants triton+kernels,triton+kernels+torchinputs,triton+kernels --json "$OUT/results.jsonl" ;;
     l2-upside) run l2-upside 60 python3 bench/l2_upside.py ;;
+    # The switches not yet measured (bench/RESULTS.md "Not yet run on a GPU"): the fragment GEMV's unmasked
+    # loads, then the batch-1 paged decode's spill-free tiles, alone and with qk_norm_rope fused in.
+    unmasked-ab) run unmasked-tests 120 python3 -m pytest -q -rfE --tb=line -m gpu -p no:cacheprovider -n 8 \
+                   tests/gpu/test_quant_gpu.py -k fragment
+                 run unmasked-bench 200 python3 bench/quant_gemv_mma.py --unmasked ;;
+    lat-ab) run lat-ab 300 python3 bench/generate.py --skip-hf --workloads W1 --check-eager --variants \
+              triton+kernels,triton+kernels+lat8.64.3,triton+kernels+fuseattnpdl+lat8.64.3,triton+kernels+lat4.64.3,\
+triton+kernels+fuseattnpdl,triton+kernels --json "$OUT/results.jsonl" ;;
     w3-ab) run w3-ab 240 python3 bench/generate.py --skip-hf --workloads W3 --variants \
              triton+kernels,triton+kernels+skinny50,triton+kernels+skinny100,triton+kernels+split128.1.3,\
 triton+kernels+split128.1.2,triton+kernels+split256.2.4,triton+kernels --json "$OUT/results.jsonl" ;;
