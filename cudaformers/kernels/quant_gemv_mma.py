@@ -50,8 +50,8 @@ UNMASKED_EVEN = False
 def _words(at, ld_q, ok, TILES: tl.constexpr):
     """The lane's 4 words of a block in rows g, g + 8 (and g + 16, g + 24 with two tiles), as two int64
     a row (weights: may be requested before the previous kernel has finished). Words of blocks past
-    the row's end are left undefined, not zeroed (a register fill a load saved): they are never
-    multiplied by anything but x and scales masked to 0, and every bit pattern decodes to a finite bf16."""
+    the row's end need no fill value: they are only ever multiplied by x and scales masked to 0, and
+    every bit pattern decodes to a finite bf16."""
     w0 = tl.load(at, mask=ok)
     w1 = tl.load(at + 1, mask=ok)
     w2 = tl.load(at + 8 * ld_q, mask=ok)
