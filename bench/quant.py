@@ -236,7 +236,7 @@ def bench_decode(shape, methods, bw, env, json_path) -> list[dict]:
         try:
             _free()
             qm.USE_MMA = not method.endswith("_fma")  # "_fma": the FMA GEMV instead of the tensor-core kernel
-            qm.USE_FRAGMENT_GEMV = not method.endswith("_dot")  # "_dot": batch 1 on quant_mma.py's tl.dot kernel
+            qm.USE_FRAGMENT_GEMV = not method.endswith("_dot")  # "_dot": batch 1 without the fragment GEMV
             model, load_s = timed(lambda: AutoModelForCausalLM.from_pretrained(
                 folder, dtype=torch.bfloat16, device_map="cuda",
                 quantization_config=method_config(method.removesuffix("_fma").removesuffix("_dot")),

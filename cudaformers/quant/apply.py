@@ -123,9 +123,8 @@ def _kernel_summary(layers: list[QuantLinear]) -> str:
             kind = ("fp8 weight-only Triton GEMV at batch 1, torch._scaled_mm (fp8 tensor cores) above"
                     if layers[0].method == "fp8" else "Triton dequantize-matmul (one row of bf16 x against int4 in "
                     "groups of 128 or int8 on a GEMV decoding codes into tensor-core fragments; otherwise int4 in "
-                    "groups of "
-                    "128+ and int8 with fp16 x on tensor cores for 1-16 rows, except one row on a layer too small "
-                    "to fill the GPU; one row otherwise on an FMA GEMV; a tl.dot GEMM for the rest)")
+                    "groups of 128+ and int8 with fp16 x on tensor cores for 1-16 rows, except one row on a layer "
+                    "too small to fill the GPU; one row otherwise on an FMA GEMV; a tl.dot GEMM for the rest)")
             where.append(f"{kind} on {dev}")
         else:
             where.append(f"PyTorch reference (dequantize, then matmul) on {dev}: correct but slow; use a CUDA GPU "
