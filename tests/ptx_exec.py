@@ -117,3 +117,52 @@ def run_warp(asm: str, args: list[list[int]]) -> list[dict[int, int | float]]:
                 out[int(dst[1:])] = r
             regs[dst] = r & M32 if isinstance(r, int) else r
     return outs
+
+
+def _operand(value, constraint: str):
+    if constraint == "f":
+        return float(value)
+    return int(value) & (M32 if constraint == "r" else 0xFFFFFFFFFFFFFFFF)
+
+
+def emulate_inline_asm(monkeypatch) -> None:
+    """Lets the Triton interpreter run ``tl.inline_asm_elementwise`` (``pack=1``) through ``run_warp``,
+    so a kernel with inline PTX runs whole on the CPU. Element e of the operands is lane e % 32 of warp
+    e // 32: right for kernels whose tensors are ``[32 * warps]`` laid out one element per thread (the
+    fragment GEMV); the mma's lanes exchange operands as on the GPU."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    class _Call:  # what the interpreter's caller reads results from
+        def __init__(self, results):
+            self.results = results
+
+        def get_result(self, i):
+            return self.results[i]
+
+    def create_inline_asm(self, asm, constraints, values, types, is_pure, pack):
+        assert pack == 1, "only one element per asm instance is emulated"
+        cons = constraints.split(",")
+        n_out = sum(c.startswith("=") for c in cons)
+        flat = [v.data.reshape(-1) for v in values]
+        n = flat[0].size
+        assert n % 32 == 0 and all(f.size == n for f in flat), "operands must be [32 * warps], one per lane"
+        outs = [[0] * n for _ in types]
+        for w in range(n // 32):
+            lanes = [[0] * n_out + [_operand(f[32 * w + lane], c) for f, c in zip(flat, cons[n_out:])]
+                     for lane in range(32)]
+            for lane, out in enumerate(run_warp(asm, lanes)):
+                for i in range(n_out):
+                    outs[i][32 * w + lane] = out[i]
+        shape = values[0].data.shape
+        results = []
+        for out, ty in zip(outs, types):
+            scalar = ty.scalar
+            if scalar.is_floating():
+                data = np.array(out, dtype=np.float64).astype(interpreter._get_np_dtype(scalar))
+            else:
+                data = np.array([v & M32 for v in out], dtype=np.uint32).view(np.int32)
+            results.append(interpreter.TensorHandle(data.reshape(shape), scalar))
+        return _Call(results)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_inline_asm", create_inline_asm)

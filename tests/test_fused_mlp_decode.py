@@ -125,3 +125,38 @@ def test_skinny_rows_run_gate_up_and_activation_in_one_launch(name, monkeypatch)
         want = model(ids).logits
     assert len(act_launches) == len(model.model.layers)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("name,plan", [("qwen3", (2, 1, 1)), ("llama_bias", (2, 2, 2))])
+def test_quantized_row_runs_gate_up_and_activation_in_one_launch(name, plan, monkeypatch):
+    """One row of an int8 model with its gate/up packed: with ``quant_gemv_mma.GATED``, the fragment
+    GEMV (here on the CPU, its PTX emulated) returns ``act(gate) * up`` itself, so no act-and-mul launch
+    runs, and the logits are the two launches' up to the GEMV's own rounding."""
+    import cudaformers.kernels.activation as activation
+    import cudaformers.kernels.quant_gemv_mma as fragment
+    from cudaformers import Int8Config
+    from ptx_exec import emulate_inline_asm
+
+    config = KernelConfig({"GatedMLP": "cudaformers:fused_mlp_decode", "SiluAndMul": "cudaformers:act_and_mul"})
+    model = AutoModelForCausalLM.from_pretrained(tiny.checkpoint(name), dtype=torch.bfloat16, kernel_config=config,
+                                                 quantization_config=Int8Config()).eval()
+    ids = torch.randint(3, 211, (1, 1), generator=torch.Generator().manual_seed(3))
+    emulate_inline_asm(monkeypatch)
+    gated, act_launches = [], []
+    real_act = activation.act_and_mul_forward
+    monkeypatch.setattr(activation, "act_and_mul_forward", lambda *a, **k: act_launches.append(1) or real_act(*a, **k))
+    monkeypatch.setattr(fragment, "supports", lambda x, w: x.dtype == torch.bfloat16 and w.fmt == "int8")
+
+    def launch(x, w, bias=None, act=None):
+        gated.append(act)
+        return fragment._launch(x, w, bias, plan, act)
+
+    monkeypatch.setattr(fragment, "quant_gemv_mma", launch)
+    with torch.no_grad():
+        want = model(ids).logits  # switched off: the packed GEMV's reference, then the act-and-mul kernel
+        assert not gated and len(act_launches) == len(model.model.layers)
+        monkeypatch.setattr(fragment, "GATED", True)
+        act_launches.clear()
+        got = model(ids).logits
+    assert gated == ["silu"] * len(model.model.layers) and not act_launches
+    torch.testing.assert_close(got, want, atol=0.01, rtol=0.02)  # logits ~0.5: a bf16 step or two

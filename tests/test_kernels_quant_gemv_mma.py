@@ -13,7 +13,7 @@ import torch
 from cudaformers.kernels.quant_fragments import int4_block_asm as _block_asm
 from cudaformers.kernels.quant_fragments import int8_block_asm
 from cudaformers.kernels.quant_matmul import pack_planes
-from ptx_exec import run_warp
+from ptx_exec import emulate_inline_asm, run_warp
 
 
 def _i64(values: list[int], bits: int) -> int:
@@ -118,17 +118,20 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from cudaformers.kernels import quant_gemv_mma as m
 sig = dict(x_ptr="*i64", q_ptr="*i64", s_ptr="*bf16", z_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16", n_blocks="i32",
-           ld_q="i32", FMT="constexpr", WARPS="constexpr", TILES="constexpr", DEPTH="constexpr",
-           HAS_ZEROS="constexpr", HAS_BIAS="constexpr", EVEN="constexpr", USE_PDL="constexpr")
-for fmt, zeros, tiles, depth in ((0, False, 1, 1), (0, True, 1, 2), (0, True, 2, 3), (1, False, 1, 2),
-                                 (1, False, 2, 1), (1, False, 2, 3)):
+           ld_q="i32", half="i32", FMT="constexpr", WARPS="constexpr", TILES="constexpr", DEPTH="constexpr",
+           HAS_ZEROS="constexpr", HAS_BIAS="constexpr", EVEN="constexpr", GATED="constexpr", USE_PDL="constexpr")
+for fmt, zeros, tiles, depth, gated in ((0, False, 1, 1, -1), (0, True, 1, 2, -1), (0, True, 2, 3, -1),
+                                        (1, False, 1, 2, -1), (1, False, 2, 1, -1), (1, False, 2, 3, -1),
+                                        (0, True, 2, 1, 0), (0, False, 1, 2, 1), (1, False, 1, 3, 0),
+                                        (1, True, 2, 2, 2)):
     src = ASTSource(m._kernel, dict(sig, s_ptr="*fp32" if fmt else "*bf16"),
                     dict(FMT=fmt, WARPS=8, TILES=tiles, DEPTH=depth, HAS_ZEROS=zeros, HAS_BIAS=zeros, EVEN=zeros or tiles == 2,
-                         USE_PDL=True),
+                         GATED=gated, USE_PDL=True),
                     {(i,): [["tt.divisibility", 16]] for i in range(6)})
     c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
     ptx = c.asm["ptx"]
-    print(fmt, tiles, depth, ptx.count("mma.sync.aligned.m16n8k16"), ptx.count("st.shared"), len(c.asm["cubin"]))
+    print(fmt, tiles, depth, gated, ptx.count("mma.sync.aligned.m16n8k16"), ptx.count("st.shared"),
+          ptx.count("ex2.approx"), len(c.asm["cubin"]))
 """
 
 
@@ -138,13 +141,77 @@ def test_the_kernel_builds_for_hopper_with_mma_from_registers():
     done = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=600,
                           cwd=root)
     assert done.returncode == 0, done.stderr[-3000:]
-    lines = done.stdout.strip().splitlines()[-6:]
-    assert len(lines) == 6
+    lines = done.stdout.strip().splitlines()[-10:]
+    assert len(lines) == 10
     for line in lines:
-        fmt, tiles, depth, mmas, shared_stores, cubin = map(int, line.split())
+        fmt, tiles, depth, gated, mmas, shared_stores, exps, cubin = map(int, line.split())
         # Per block int4 has 8 mma per tile and 8 for the sum of x, int8 two per word and tile; a block is
         # inlined in the loop (unrolled ``depth`` times, plus its remainder loop) and once after it. The
-        # loop moves nothing through shared memory (only the final sums over warps do).
+        # loop moves nothing through shared memory (only the final sums over warps do). Gated, SiLU and
+        # tanh GELU are one exponential for each of a lane's output rows (one a tile); erf has its own.
         copies = depth + 2 if depth > 1 else 2
         assert mmas == (8 * tiles if fmt else 8 * (tiles + 1)) * copies and cubin > 0
         assert shared_stores <= 4 * tiles
+        assert exps == 0 if gated == -1 else (exps > 0 if gated == 2 else exps == tiles)
+
+
+# The whole kernel on the CPU: the interpreter runs it, with its inline PTX emulated lane by lane.
+def _weights(fmt: str, n: int, k: int, seed: int):
+    from cudaformers.kernels.quant_matmul import PackedWeight
+    from cudaformers.quant.int4 import quantize_int4
+    from cudaformers.quant.int8 import quantize_int8
+
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05
+    x = torch.randn(1, k, generator=g).bfloat16()
+    bias = (torch.randn(n, generator=g) * 0.1).bfloat16()
+    if fmt == "int8":
+        return PackedWeight("int8", *quantize_int8(w), k), x, bias
+    q, s, z = quantize_int4(w, 128, sym=fmt == "int4_sym")
+    return PackedWeight("int4", q, s, k, 128, zeros=z), x, bias
+
+
+def _launch(monkeypatch, x, w, bias, plan, act=None, even=False):
+    from cudaformers.kernels import quant_gemv_mma as m
+
+    emulate_inline_asm(monkeypatch)
+    monkeypatch.setattr(m, "UNMASKED_EVEN", even)
+    return m._launch(x, w, bias, plan, act)
+
+
+# (fmt, n, k, plan, unmasked where every warp has as many blocks): 2-12 blocks a row (int4 128 codes,
+# int8 64) over 1-4 warps: loops of one to six steps, blocks in flight past the loop's first steps, a
+# remainder and masked warps.
+KERNEL_CASES = [("int4_sym", 32, 640, (2, 1, 1), False), ("int4_asym", 64, 256, (4, 2, 1), False),
+                ("int4_asym", 32, 512, (2, 1, 2), True), ("int4_sym", 64, 640, (1, 2, 3), True),
+                ("int8", 32, 320, (2, 1, 3), False), ("int8", 64, 256, (2, 2, 2), True),
+                ("int8", 32, 256, (4, 1, 1), False), ("int8", 32, 640, (2, 1, 2), False),
+                ("int4_sym", 32, 1152, (2, 1, 3), False), ("int8", 32, 768, (2, 1, 3), True)]
+
+
+@pytest.mark.parametrize("fmt,n,k,plan,even", KERNEL_CASES, ids=str)
+def test_the_kernel_matches_the_reference_on_the_cpu(monkeypatch, fmt, n, k, plan, even):
+    from cudaformers.kernels.quant_matmul import quant_matmul_reference
+
+    w, x, bias = _weights(fmt, n, k, seed=n + k)
+    for b in (None, bias):
+        out = _launch(monkeypatch, x, w, b, plan, even=even)
+        ref32 = quant_matmul_reference(x.float(), w, None if b is None else b.float())
+        ref = quant_matmul_reference(x, w, b).float()
+        bound = 2 * (ref - ref32).abs().max() + torch.finfo(torch.bfloat16).eps * ref32.abs().max() + 1e-3
+        assert out.shape == (1, n) and (out.float() - ref32).abs().max() <= bound
+
+
+@pytest.mark.parametrize("fmt,n,k,plan,even,act", [c + ("silu",) for c in KERNEL_CASES] + [
+    KERNEL_CASES[1] + ("gelu_pytorch_tanh",), KERNEL_CASES[5] + ("gelu",)], ids=str)
+def test_gated_kernel_is_the_act_and_mul_of_the_plain_one(monkeypatch, fmt, n, k, plan, even, act):
+    from cudaformers.kernels.activation import act_and_mul_forward
+
+    w, x, bias = _weights(fmt, n, k, seed=n + k + 1)
+    gate_up = _launch(monkeypatch, x, w, bias, plan, even=even)
+    gated = _launch(monkeypatch, x, w, bias, plan, act=act, even=even)
+    half = n // 2
+    assert gated.shape == (1, half)
+    assert torch.equal(gated, act_and_mul_forward(gate_up[:, :half], gate_up[:, half:], act))
+    assert not torch.equal(gated, act_and_mul_forward(gate_up[:, half:], gate_up[:, :half], act))  # it can tell
+

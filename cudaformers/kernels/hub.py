@@ -135,8 +135,34 @@ def _gated_skinny(mlp, x):
     return skinny_gated(x, packed.weight, packed.bias, act.name)
 
 
+def _gated_quant(mlp, x):
+    """``act(gate) * up`` from one fragment-GEMV launch (``quant_gemv_mma``'s ``act``) for one row of a
+    quantized model whose gate/up projections are packed, where the unfused path would run exactly
+    that GEMV and then the act-and-mul kernel (``quant_gemv_mma.GATED`` switches it on). None elsewhere."""
+    from ..quant.packing import PackedQuantLinear
+    from . import quant_gemv_mma, quant_matmul
+
+    if not (quant_gemv_mma.GATED and quant_matmul.USE_MMA and quant_matmul.USE_FRAGMENT_GEMV):
+        return None
+    packed, act = getattr(mlp, "packed_gate_up", None), mlp.act_fn
+    if not isinstance(packed, PackedQuantLinear) or not packed.usable_for(mlp.gate_proj) or packed._forward_hooks:
+        return None
+    if getattr(act.__dict__.get("forward"), "__func__", None) is not _act_and_mul or act._forward_hooks:
+        return None
+    layer = packed.layer
+    if packed.sizes[0] * 2 != layer.out_features or x.dtype != layer.compute_dtype or x.numel() != layer.in_features:
+        return None
+    x2, w = x.reshape(1, -1), layer.packed()
+    if not quant_gemv_mma.supports(x2, w):
+        return None
+    h = quant_gemv_mma.quant_gemv_mma(x2, w, layer.bias, act=act.name)
+    return h.view(*x.shape[:-1], packed.sizes[0])
+
+
 def _fused_mlp_decode(self, x):
-    h = _gated_skinny(self, x)
+    h = _gated_quant(self, x)
+    if h is None:
+        h = _gated_skinny(self, x)
     if h is not None:
         return self.down_proj(h)
     return gated_mlp_down(self, *self.project_gate_up(x))

@@ -20,9 +20,15 @@ flight while it works on one (the loop unrolled by the depth, so they rotate thr
 without moves); where every warp has the same number of blocks, ``UNMASKED_EVEN`` drops the load masks.
 ``default_plan`` picks warps, tiles and depth per format and layer size. On an H200 qwen3-8b's layers
 stream at 1.6-2.5 TB/s (int4) and 2.2-3.2 TB/s (int8), against 1.0-1.5 and 1.8-2.7 for the FMA GEMV
-(bench/quant_gemv_mma.py, bench/RESULTS.md runs 21-22). The PTX of a block runs on the CPU in the
-tests, lane by lane through tests/ptx_exec.py with the ISA's fragment layouts, against the plain dot
-product; the kernel itself runs on the GPU only.
+(bench/quant_gemv_mma.py, bench/RESULTS.md runs 21-22).
+
+With ``act``, a packed gate/up projection comes out as ``act(gate) * up``: the lane that holds gate row
+i also holds up row i (its tile's second half, or its second tile, lies at the up half), so the
+epilogue applies the act-and-mul kernel's own arithmetic to the rounded rows and the decode MLP loses
+that launch (``GATED``, through ``hub._gated_quant``).
+
+On the CPU the tests run the whole kernel through the interpreter with its PTX emulated lane by lane
+(tests/ptx_exec.py, the ISA's fragment layouts) against the plain dot product and the reference.
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .activation import _act_and_grad, _code
 from .grid import sm_count
 from .pdl import pdl_enabled, release_dependents, wait_for_producer
 from .quant_fragments import INT4_GROUP, INT8_BLOCK, int4_block_asm, int8_block_asm
@@ -44,23 +51,27 @@ DEPTHS = (1, 2, 3)  # blocks of weights a warp has in flight while it works on o
 # Where every warp has the same number of blocks, load without masks (EVEN in the kernel): 9-18% fewer
 # instructions a block in sm_90 SASS. Off until it has run on a GPU (bench/RESULTS.md, "Not yet run").
 UNMASKED_EVEN = False
+# A quantized model's packed gate/up at one row as one launch with the act-and-mul in its epilogue
+# (``act`` of ``quant_gemv_mma``, through ``hub._gated_quant``): the same GEMV work and one launch fewer
+# a layer, bit for bit the unfused result. Off until it has run on a GPU (bench/RESULTS.md, "Not yet run").
+GATED = False
 
 
 @triton.jit
-def _words(at, ld_q, ok, TILES: tl.constexpr):
-    """The lane's 4 words of a block in rows g, g + 8 (and g + 16, g + 24 with two tiles), as two int64
-    a row (weights: may be requested before the previous kernel has finished). Words of blocks past
-    the row's end need no fill value: they are only ever multiplied by x and scales masked to 0, and
-    every bit pattern decodes to a finite bf16."""
+def _words(at, ld_q, ok, r1, r2, TILES: tl.constexpr):
+    """The lane's 4 words of a block in rows g, g + r1 (and g + r2, g + r2 + r1 with two tiles; see
+    ``_kernel`` for r1 and r2), as two int64 a row (weights: may be requested before the previous
+    kernel has finished). Words of blocks past the row's end need no fill value: they are only ever
+    multiplied by x and scales masked to 0, and every bit pattern decodes to a finite bf16."""
     w0 = tl.load(at, mask=ok)
     w1 = tl.load(at + 1, mask=ok)
-    w2 = tl.load(at + 8 * ld_q, mask=ok)
-    w3 = tl.load(at + 8 * ld_q + 1, mask=ok)
+    w2 = tl.load(at + r1 * ld_q, mask=ok)
+    w3 = tl.load(at + r1 * ld_q + 1, mask=ok)
     if TILES == 2:
-        w4 = tl.load(at + 16 * ld_q, mask=ok)
-        w5 = tl.load(at + 16 * ld_q + 1, mask=ok)
-        w6 = tl.load(at + 24 * ld_q, mask=ok)
-        w7 = tl.load(at + 24 * ld_q + 1, mask=ok)
+        w4 = tl.load(at + r2 * ld_q, mask=ok)
+        w5 = tl.load(at + r2 * ld_q + 1, mask=ok)
+        w6 = tl.load(at + (r2 + r1) * ld_q, mask=ok)
+        w7 = tl.load(at + (r2 + r1) * ld_q + 1, mask=ok)
     else:  # not read
         w4, w5, w6, w7 = w0, w1, w2, w3
     return w0, w1, w2, w3, w4, w5, w6, w7
@@ -78,8 +89,8 @@ def _scaled(d, xs, s_at, z_at, ok, HAS_ZEROS: tl.constexpr):
 
 
 @triton.jit
-def _block4(w, xb, s_at, z_at, n_blocks, ok, acc, HAS_ZEROS: tl.constexpr, TILES: tl.constexpr):
-    """``acc += s * (w - z) . x`` over one int4 block for the lane's rows g, g + 8 (g + 16, g + 24); ``xb``
+def _block4(w, xb, s_at, z_at, n_blocks, ok, acc, r1, r2, HAS_ZEROS: tl.constexpr, TILES: tl.constexpr):
+    """``acc += s * (w - z) . x`` over one int4 block for the lane's rows (as ``_words``); ``xb``
     points at the lane's first 4-element piece of x in the block (x as int64), ``s_at``/``z_at`` at row
     g's scale (zero point) of the block."""
     x = (tl.load(xb, mask=ok, other=0), tl.load(xb + 4, mask=ok, other=0), tl.load(xb + 8, mask=ok, other=0),
@@ -91,8 +102,8 @@ def _block4(w, xb, s_at, z_at, n_blocks, ok, acc, HAS_ZEROS: tl.constexpr, TILES
             INT4_ASM2, "=f,=f,=f,=f,=f" + ",l" * 16,
             [w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7], x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7]],
             dtype=(tl.float32, tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
-        acc2 = acc[2] + _scaled(d2, xs, s_at + 16 * n_blocks, z_at + 16 * n_blocks, ok, HAS_ZEROS)
-        acc3 = acc[3] + _scaled(d3, xs, s_at + 24 * n_blocks, z_at + 24 * n_blocks, ok, HAS_ZEROS)
+        acc2 = acc[2] + _scaled(d2, xs, s_at + r2 * n_blocks, z_at + r2 * n_blocks, ok, HAS_ZEROS)
+        acc3 = acc[3] + _scaled(d3, xs, s_at + (r2 + r1) * n_blocks, z_at + (r2 + r1) * n_blocks, ok, HAS_ZEROS)
     else:
         d0, d1, xs = tl.inline_asm_elementwise(
             INT4_ASM, "=f,=f,=f" + ",l" * 12,
@@ -100,7 +111,7 @@ def _block4(w, xb, s_at, z_at, n_blocks, ok, acc, HAS_ZEROS: tl.constexpr, TILES
             dtype=(tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
         acc2, acc3 = acc[2], acc[3]
     acc0 = acc[0] + _scaled(d0, xs, s_at, z_at, ok, HAS_ZEROS)
-    acc1 = acc[1] + _scaled(d1, xs, s_at + 8 * n_blocks, z_at + 8 * n_blocks, ok, HAS_ZEROS)
+    acc1 = acc[1] + _scaled(d1, xs, s_at + r1 * n_blocks, z_at + r1 * n_blocks, ok, HAS_ZEROS)
     return acc0, acc1, acc2, acc3
 
 
@@ -124,39 +135,77 @@ def _block8(w, xb, ok, acc, TILES: tl.constexpr):
 
 
 @triton.jit
-def _block(w, xb, s_at, z_at, n_blocks, ok, acc, FMT: tl.constexpr, HAS_ZEROS: tl.constexpr,
+def _block(w, xb, s_at, z_at, n_blocks, ok, acc, r1, r2, FMT: tl.constexpr, HAS_ZEROS: tl.constexpr,
            TILES: tl.constexpr):
     if FMT == FMT_INT8:
         return _block8(w, xb, ok, acc, TILES)
     else:
-        return _block4(w, xb, s_at, z_at, n_blocks, ok, acc, HAS_ZEROS, TILES)
+        return _block4(w, xb, s_at, z_at, n_blocks, ok, acc, r1, r2, HAS_ZEROS, TILES)
 
 
 @triton.jit
-def _store(acc, s_ptr, b_ptr, out_ptr, row0, WARPS: tl.constexpr, ROW_SCALE: tl.constexpr,
-           HAS_BIAS: tl.constexpr):
-    """Rows ``row0 + lane // 4`` from the warps' shares (times the row's scale for int8): every t of a
-    row holds its dot (all 8 mma columns are alike), so t = 0 stores."""
+def _row_values(acc, s_ptr, b_ptr, rows, WARPS: tl.constexpr, ROW_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """fp32 dots of ``rows`` (one per lane) from the warps' shares, times the row's scale for int8 and
+    plus the bias: every t of a row holds its dot (all 8 mma columns are alike)."""
     out = tl.sum(tl.reshape(acc, [WARPS, 32]), axis=0)
-    lanes = tl.arange(0, 32)
-    rows = row0 + lanes // 4
     if ROW_SCALE:
         out *= tl.load(s_ptr + rows)
     if HAS_BIAS:
         out += tl.load(b_ptr + rows).to(tl.float32)
+    return out
+
+
+@triton.jit
+def _store(acc, s_ptr, b_ptr, out_ptr, row, WARPS: tl.constexpr, ROW_SCALE: tl.constexpr,
+           HAS_BIAS: tl.constexpr):
+    """Rows ``row + lane // 4``; t = 0 stores."""
+    lanes = tl.arange(0, 32)
+    rows = row + lanes // 4
+    out = _row_values(acc, s_ptr, b_ptr, rows, WARPS, ROW_SCALE, HAS_BIAS)
     tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=lanes % 4 == 0)
 
 
 @triton.jit
-def _kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, n_blocks, ld_q, FMT: tl.constexpr, WARPS: tl.constexpr,
-            TILES: tl.constexpr, DEPTH: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
-            EVEN: tl.constexpr, USE_PDL: tl.constexpr):
+def _store_gated(gate, up, s_ptr, b_ptr, out_ptr, row, half, WARPS: tl.constexpr, ROW_SCALE: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, ACT: tl.constexpr):
+    """``act(gate) * up`` into rows ``row + lane // 4`` of the output, from the accumulators of packed
+    rows ``row + lane // 4`` (gate) and ``half`` past them (up). gate and up are rounded to the output
+    dtype first and the product computed as ``activation.py``'s act-and-mul kernel does, so the result
+    is bit for bit the packed projection's output passed through that kernel."""
+    lanes = tl.arange(0, 32)
+    rows = row + lanes // 4
+    dtype = out_ptr.dtype.element_ty
+    g = _row_values(gate, s_ptr, b_ptr, rows, WARPS, ROW_SCALE, HAS_BIAS).to(dtype).to(tl.float32)
+    u = _row_values(up, s_ptr, b_ptr, rows + half, WARPS, ROW_SCALE, HAS_BIAS).to(dtype).to(tl.float32)
+    a, _ = _act_and_grad(g, ACT)
+    tl.store(out_ptr + rows, (a * u).to(dtype), mask=lanes % 4 == 0)
+
+
+@triton.jit
+def _kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, n_blocks, ld_q, half, FMT: tl.constexpr,
+            WARPS: tl.constexpr, TILES: tl.constexpr, DEPTH: tl.constexpr, HAS_ZEROS: tl.constexpr,
+            HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr, USE_PDL: tl.constexpr):
     # One element per lane: [32 * WARPS] tensors are laid out one per thread, element e on thread e.
     e = tl.arange(0, 32 * WARPS)
     lane = e % 32
     warp = e // 32  # warp w takes blocks w, w + WARPS, ...
     t = lane % 4
-    row0 = tl.program_id(0) * 16 * TILES
+    # Lane (g, t) holds rows g and g + r1 of each tile, and the second tile lies r2 rows past the first.
+    # Plain: 16-row tiles (r1 = 8, r2 = 16). Gated (GATED, an activation code), gate row i's partner is
+    # up row half + i: one tile pairs 8 gate rows with their up rows (r1 = half), two tiles pair 16
+    # (r2 = half); either way each lane holds both halves of its output rows.
+    if GATED >= 0:
+        if TILES == 1:
+            r1 = half
+            r2 = 16  # unused
+        else:
+            r1 = 8
+            r2 = half
+        row0 = tl.program_id(0) * 8 * TILES
+    else:
+        r1 = 8
+        r2 = 16
+        row0 = tl.program_id(0) * 16 * TILES
     row_g = row0 + lane // 4
     # Pointers at the warp's first block, moved on by WARPS blocks a step: 8 int64 of words a row (both
     # formats: 64 bytes), the block's x as 4 bf16 per int64 (piece j of the lane at 4j + t), int4's
@@ -177,28 +226,29 @@ def _kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, n_blocks, ld_q, FMT: tl.
         ok = tl.full([32 * WARPS], 1, tl.int1)
     else:
         ok = warp < n_blocks
-    words = _words(at, ld_q, ok, TILES)
+    words = _words(at, ld_q, ok, r1, r2, TILES)
     ok_1, words_1 = ok, words  # the next block (DEPTH >= 2)
     ok_2, words_2 = ok, words  # the one after (DEPTH 3)
     if DEPTH >= 2:
         if not EVEN:
             ok_1 = warp + WARPS < n_blocks
-        words_1 = _words(at + 8 * WARPS, ld_q, ok_1, TILES)
+        words_1 = _words(at + 8 * WARPS, ld_q, ok_1, r1, r2, TILES)
     if DEPTH == 3:
         if not EVEN:
             ok_2 = warp + 2 * WARPS < n_blocks
-        words_2 = _words(at + 16 * WARPS, ld_q, ok_2, TILES)
+        words_2 = _words(at + 16 * WARPS, ld_q, ok_2, r1, r2, TILES)
     wait_for_producer(USE_PDL)
     release_dependents(USE_PDL)
     # Unrolled DEPTH times, the blocks in flight rotate through registers without moves.
     for step in tl.range(1, steps, loop_unroll_factor=DEPTH):
         if EVEN:
             ahead_ok = ok
-            ahead = _words(at + tl.where(step + DEPTH - 1 < steps, 8 * WARPS * DEPTH, 0), ld_q, ahead_ok, TILES)
+            ahead = _words(at + tl.where(step + DEPTH - 1 < steps, 8 * WARPS * DEPTH, 0), ld_q, ahead_ok, r1, r2,
+                           TILES)
         else:
             ahead_ok = warp + (step + DEPTH - 1) * WARPS < n_blocks
-            ahead = _words(at + 8 * WARPS * DEPTH, ld_q, ahead_ok, TILES)
-        acc = _block(words, xb, s_at, z_at, n_blocks, ok, acc, FMT, HAS_ZEROS, TILES)
+            ahead = _words(at + 8 * WARPS * DEPTH, ld_q, ahead_ok, r1, r2, TILES)
+        acc = _block(words, xb, s_at, z_at, n_blocks, ok, acc, r1, r2, FMT, HAS_ZEROS, TILES)
         if DEPTH == 3:
             words, ok, words_1, ok_1, words_2, ok_2 = words_1, ok_1, words_2, ok_2, ahead, ahead_ok
         elif DEPTH == 2:
@@ -209,13 +259,20 @@ def _kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, n_blocks, ld_q, FMT: tl.
         xb += X_STEP * WARPS
         s_at += WARPS
         z_at += WARPS
-    acc = _block(words, xb, s_at, z_at, n_blocks, ok, acc, FMT, HAS_ZEROS, TILES)
+    acc = _block(words, xb, s_at, z_at, n_blocks, ok, acc, r1, r2, FMT, HAS_ZEROS, TILES)
     ROW_SCALE: tl.constexpr = FMT == FMT_INT8
-    _store(acc[0], s_ptr, b_ptr, out_ptr, row0, WARPS, ROW_SCALE, HAS_BIAS)
-    _store(acc[1], s_ptr, b_ptr, out_ptr, row0 + 8, WARPS, ROW_SCALE, HAS_BIAS)
-    if TILES == 2:
-        _store(acc[2], s_ptr, b_ptr, out_ptr, row0 + 16, WARPS, ROW_SCALE, HAS_BIAS)
-        _store(acc[3], s_ptr, b_ptr, out_ptr, row0 + 24, WARPS, ROW_SCALE, HAS_BIAS)
+    if GATED >= 0:
+        if TILES == 1:
+            _store_gated(acc[0], acc[1], s_ptr, b_ptr, out_ptr, row0, half, WARPS, ROW_SCALE, HAS_BIAS, GATED)
+        else:
+            _store_gated(acc[0], acc[2], s_ptr, b_ptr, out_ptr, row0, half, WARPS, ROW_SCALE, HAS_BIAS, GATED)
+            _store_gated(acc[1], acc[3], s_ptr, b_ptr, out_ptr, row0 + 8, half, WARPS, ROW_SCALE, HAS_BIAS, GATED)
+    else:
+        _store(acc[0], s_ptr, b_ptr, out_ptr, row0, WARPS, ROW_SCALE, HAS_BIAS)
+        _store(acc[1], s_ptr, b_ptr, out_ptr, row0 + 8, WARPS, ROW_SCALE, HAS_BIAS)
+        if TILES == 2:
+            _store(acc[2], s_ptr, b_ptr, out_ptr, row0 + 16, WARPS, ROW_SCALE, HAS_BIAS)
+            _store(acc[3], s_ptr, b_ptr, out_ptr, row0 + 24, WARPS, ROW_SCALE, HAS_BIAS)
 
 
 def supports(x: torch.Tensor, w: PackedWeight) -> bool:
@@ -254,27 +311,42 @@ def default_plan(n: int, fmt: str, device: torch.device) -> tuple[int, int, int]
 
 
 def quant_gemv_mma(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None,
-                   plan: tuple[int, int, int] | None = None) -> torch.Tensor:
+                   plan: tuple[int, int, int] | None = None, act: str | None = None) -> torch.Tensor:
     """``x [1, K]`` bf16 -> ``[1, N]`` bf16, bias added; see ``supports``. ``plan`` (warps, tiles a warp,
-    blocks in flight: one of ``DEPTHS``) overrides ``default_plan`` (benchmarks, tests)."""
+    blocks in flight: one of ``DEPTHS``) overrides ``default_plan`` (benchmarks, tests).
+
+    With ``act`` (an ``activation.KERNEL_ACTIVATIONS`` name), ``w`` is a packed gate/up projection
+    (gate rows, then as many up rows) and the result is ``act(gate) * up``, ``[1, N / 2]``: bit for bit
+    the packed output passed through the act-and-mul kernel, without that launch. Each program does
+    the work of the plain plan's program (8 or 16 output rows from as many gate and up rows)."""
     if not supports(x, w):
         raise ValueError(f"quant_gemv_mma: needs one contiguous row of bf16 x on a GPU of compute capability 8.0+, "
                          f"whole 16-row tiles, and int4 weights in groups of {INT4_GROUP} or int8 with K a multiple "
                          f"of {INT8_BLOCK}; got x {tuple(x.shape)} {x.dtype} on {x.device}, {w.fmt} (group "
                          f"{w.group_size}) of {w.out_features} x {w.in_features}")
+    return _launch(x, w, bias, plan or default_plan(w.out_features, w.fmt, x.device), act)
+
+
+def _launch(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, plan: tuple[int, int, int],
+            act: str | None) -> torch.Tensor:
+    """The launch behind ``quant_gemv_mma``, past its checks of the device (the tests run it on the CPU
+    through the interpreter, with the PTX emulated)."""
     n = w.out_features
-    warps, per_warp, depth = plan or default_plan(n, w.fmt, x.device)
-    if n % (16 * per_warp) or depth not in DEPTHS:
-        raise ValueError(f"quant_gemv_mma: {per_warp} tiles of 16 rows a warp for {n} rows, depth {depth} "
+    warps, per_warp, depth = plan
+    gated = -1 if act is None else _code(act)
+    rows_out, rows_a_program = (n, 16 * per_warp) if act is None else (n // 2, 8 * per_warp)
+    if rows_out % rows_a_program or depth not in DEPTHS:
+        what = "" if act is None else f" (gated: {per_warp} x 8 of the {n // 2} output rows a program)"
+        raise ValueError(f"quant_gemv_mma: {per_warp} tiles of 16 rows a warp for {n} rows{what}, depth {depth} "
                          f"(one of {DEPTHS})")
     words = w.qweight.view(torch.int64)
-    out = torch.empty(1, n, device=x.device, dtype=x.dtype)
+    out = torch.empty(1, rows_out, device=x.device, dtype=x.dtype)
     pdl = pdl_enabled(x.device)
     zeros = w.zeros if w.zeros is not None else w.scales  # not read without zero points
-    _kernel[(n // (16 * per_warp),)](
+    _kernel[(rows_out // rows_a_program,)](
         x.view(torch.int64), words, w.scales, zeros, bias if bias is not None else out, out, w.n_blocks,
-        words.stride(0), FMT=FMT_INT8 if w.fmt == "int8" else FMT_INT4, WARPS=warps, TILES=per_warp, DEPTH=depth,
-        HAS_ZEROS=w.zeros is not None, HAS_BIAS=bias is not None,
-        EVEN=UNMASKED_EVEN and w.n_blocks % warps == 0 and w.n_blocks >= depth * warps, USE_PDL=pdl, num_warps=warps,
-        launch_pdl=pdl)
+        words.stride(0), n // 2, FMT=FMT_INT8 if w.fmt == "int8" else FMT_INT4, WARPS=warps, TILES=per_warp,
+        DEPTH=depth, HAS_ZEROS=w.zeros is not None, HAS_BIAS=bias is not None,
+        EVEN=UNMASKED_EVEN and w.n_blocks % warps == 0 and w.n_blocks >= depth * warps, GATED=gated, USE_PDL=pdl,
+        num_warps=warps, launch_pdl=pdl)
     return out

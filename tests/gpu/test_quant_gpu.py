@@ -1,6 +1,8 @@
 """Quantization on a real GPU: the compiled Triton kernels against the reference at model sizes, the
 fp8 path, quantized models end to end (CUDA-graph decode included) and a QLoRA step in bf16."""
 
+import tempfile
+
 import pytest
 import torch
 
@@ -243,3 +245,73 @@ def test_fragment_gemv_takes_int8_only_in_whole_blocks():
         quant_gemv_mma(x, w)
     err, bound = _bound(qm.quant_matmul_triton(x, w), x, w)  # served by the FMA GEMV instead
     assert err <= bound, (err, bound)
+
+
+@pytest.mark.parametrize("act,plan", [("silu", p) for p in (None, (8, 1, 1), (8, 2, 1), (16, 2, 2), (4, 1, 3))]
+                         + [("gelu_pytorch_tanh", None), ("gelu", None)], ids=str)
+@pytest.mark.parametrize("fmt", ["int4_sym", "int4_asym", "int8"])
+@pytest.mark.parametrize("nk", [(24576, 4096), (6144, 1024), (64, 256), (32, 1152)], ids=str)  # gate + up rows
+def test_gated_fragment_gemv_is_the_act_and_mul_of_the_plain_one(nk, fmt, plan, act):
+    """``act``: the packed gate/up GEMV with the act-and-mul in its epilogue, bit for bit the plain GEMV's
+    output through the act-and-mul kernel, with and without bias and in a CUDA graph."""
+    from cudaformers.kernels.activation import act_and_mul_forward
+    from cudaformers.kernels.quant_gemv_mma import quant_gemv_mma
+
+    n, k = nk  # every half a whole number of 16-row programs, so every plan applies
+    g = torch.Generator(device="cuda").manual_seed(n + k)
+    w = _packed(fmt, torch.randn(n, k, device="cuda", generator=g) * 0.02)
+    x = torch.randn(1, k, device="cuda", generator=g).bfloat16()
+    bias = torch.randn(n, device="cuda", generator=g).bfloat16() * 0.1
+    for b in (None, bias):
+        plain = quant_gemv_mma(x, w, b, plan=plan)
+        gated = quant_gemv_mma(x, w, b, plan=plan, act=act)
+        assert gated.shape == (1, n // 2)
+        assert torch.equal(gated, act_and_mul_forward(plain[:, : n // 2], plain[:, n // 2:], act))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gated = quant_gemv_mma(x, w, bias, plan=plan, act=act)
+    x.copy_(torch.randn(1, k, device="cuda", generator=g).bfloat16())
+    graph.replay()
+    plain = quant_gemv_mma(x, w, bias, plan=plan)
+    assert torch.equal(gated, act_and_mul_forward(plain[:, : n // 2], plain[:, n // 2:], act))
+
+
+def test_gated_fragment_gemv_refuses_a_plan_that_splits_rows():
+    from cudaformers.kernels.quant_gemv_mma import quant_gemv_mma
+
+    w = _packed("int8", torch.randn(16, 256, device="cuda") * 0.02)
+    x = torch.randn(1, 256, device="cuda").bfloat16()
+    with pytest.raises(ValueError, match="gated: 2 x 8 of the 8 output rows"):
+        quant_gemv_mma(x, w, plan=(8, 2, 1), act="silu")
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_decode_with_gated_gemv_gives_the_same_tokens(method, monkeypatch):
+    """A qwen3-8b-wide layer pair, int8 / int4, batch 1: ``GATED`` on runs the gated fragment GEMV at every
+    decode step and gives the same greedy tokens as the two launches, graphs and eager."""
+    import transformers
+
+    from cudaformers.kernels import quant_gemv_mma as fragment
+
+    config = transformers.Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=2,
+                                      num_attention_heads=8, num_key_value_heads=4, head_dim=128, vocab_size=4096,
+                                      max_position_embeddings=512, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    folder = tempfile.mkdtemp(prefix="cf-gated-")
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
+    quant = Int8Config() if method == "int8" else Int4Config(group_size=128)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, device_map="cuda",
+                                                 quantization_config=quant, attn_implementation="triton",
+                                                 use_kernels=True)
+    ids = torch.randint(3, 4000, (1, 9), generator=torch.Generator().manual_seed(0)).cuda()
+    kw = dict(max_new_tokens=24, do_sample=False, eos_token_id=None)
+    want = model.generate(ids, **kw)
+    calls = []
+    real = fragment.quant_gemv_mma
+    monkeypatch.setattr(fragment, "quant_gemv_mma", lambda *a, **k: calls.append(k.get("act")) or real(*a, **k))
+    monkeypatch.setattr(fragment, "GATED", True)
+    model.__dict__.pop("_decode_runners", None)  # graphs captured without the switch
+    got = model.generate(ids, **kw)
+    eager = model.generate(ids, use_cuda_graph=False, **kw)
+    assert "silu" in calls
+    assert torch.equal(got, want) and torch.equal(eager, want)
