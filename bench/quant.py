@@ -9,9 +9,10 @@ CUDA-graph replays cycling through weight copies larger than L2, GB/s of weight 
 scales) and their share of the measured copy bandwidth. tiles: the M = 1 quantized GEMV at each
 BLOCK_N (the default marked), to tune ``quant_gemv.gemv_tiles``. mma: the tensor-core kernel
 (``quant_mma``) at M = 1 and 16 over its tilings, with and without its PTX unpack, beside the kernel it
-replaces. Decode methods may end in ``_fma`` (the FMA GEMV instead of the tensor-core kernel), ``_dot`` (batch 1
-without the fragment GEMV), ``_gated`` (``quant_gemv_mma.GATED``: gate/up's act-and-mul in the fragment GEMV)
-or ``_unmasked`` (``quant_gemv_mma.UNMASKED_EVEN``). decode: W1/W2 (generate, batch 1, 128-token prompt,
+replaces. Decode methods may end in switches: ``_fma`` (the FMA GEMV instead of the tensor-core kernel), ``_dot``
+(batch 1 without the fragment GEMV), ``_gated`` (``quant_gemv_mma.GATED``: gate/up's act-and-mul in the fragment
+GEMV), ``_unmasked`` (``quant_gemv_mma.UNMASKED_EVEN``), ``_fold`` (``quant_norm_fold.NORM_FOLD``), e.g.
+``int4_gated_fold``. decode: W1/W2 (generate, batch 1, 128-token prompt,
 256 new tokens, greedy; triton attention and use_kernels=True for every method, bf16 too) per method
 on the same saved random weights, with peak memory. qlora: one NF4 + LoRA (r 16, all linear layers)
 training step on qwen3-8b shapes at batch 1 x 2048 with gradient checkpointing: peak memory (goal <= 12 GiB) and step time. Each case runs in its own
@@ -225,6 +226,18 @@ def bench_mma(methods, bw, env, json_path, tilings=None, ms=(1, 16)) -> list[dic
     return rows
 
 
+SWITCHES = ("fma", "dot", "gated", "unmasked", "fold")
+
+
+def method_switches(method: str) -> tuple[str, set[str]]:
+    """``"int4_gated_fold"`` -> ``("int4", {"gated", "fold"})``: a method and the switches after it."""
+    parts = method.split("_")
+    switches = set()
+    while len(parts) > 1 and parts[-1] in SWITCHES:
+        switches.add(parts.pop())
+    return "_".join(parts), switches
+
+
 def bench_decode(shape, methods, bw, env, json_path) -> list[dict]:
     from cudaformers import AutoModelForCausalLM
 
@@ -234,17 +247,17 @@ def bench_decode(shape, methods, bw, env, json_path) -> list[dict]:
     rows, base = [], None
     from cudaformers.kernels import quant_gemv_mma as fragment
     from cudaformers.kernels import quant_matmul as qm
+    from cudaformers.kernels import quant_norm_fold as norm_fold
 
     for method in methods:
         try:
             _free()
-            qm.USE_MMA = not method.endswith("_fma")  # "_fma": the FMA GEMV instead of the tensor-core kernel
-            qm.USE_FRAGMENT_GEMV = not method.endswith("_dot")  # "_dot": batch 1 without the fragment GEMV
-            fragment.GATED = method.endswith("_gated")  # "_gated": gate/up's act-and-mul in the fragment GEMV
-            fragment.UNMASKED_EVEN = method.endswith("_unmasked")  # "_unmasked": its loads without masks
-            base_method = method
-            for suffix in ("_fma", "_dot", "_gated", "_unmasked"):
-                base_method = base_method.removesuffix(suffix)
+            base_method, switches = method_switches(method)
+            qm.USE_MMA = "fma" not in switches  # the FMA GEMV instead of the tensor-core kernel
+            qm.USE_FRAGMENT_GEMV = "dot" not in switches  # batch 1 without the fragment GEMV
+            fragment.GATED = "gated" in switches  # gate/up's act-and-mul in the fragment GEMV
+            fragment.UNMASKED_EVEN = "unmasked" in switches  # its loads without masks
+            norm_fold.NORM_FOLD = "fold" in switches  # the post-attention norm inside the GEMVs
             model, load_s = timed(lambda: AutoModelForCausalLM.from_pretrained(
                 folder, dtype=torch.bfloat16, device_map="cuda", quantization_config=method_config(base_method),
                 attn_implementation="triton", use_kernels=True))  # every method in its fastest setting

@@ -18,8 +18,9 @@ M32 = 0xFFFFFFFF
 
 
 def half_value(bits16: int, fp16: bool) -> float:
-    dtype = torch.float16 if fp16 else torch.bfloat16
-    return torch.tensor([bits16], dtype=torch.int32).to(torch.int16).view(dtype).item()
+    if fp16:
+        return struct.unpack("<e", struct.pack("<H", bits16 & 0xFFFF))[0]
+    return struct.unpack("<f", struct.pack("<I", (bits16 & 0xFFFF) << 16))[0]  # bf16: fp32's top half
 
 
 def half_bits(v: float, fp16: bool) -> int:

@@ -50,6 +50,7 @@ from ..layers.norm import RMSNorm
 from .fused_projections import PackedLinear
 from .gemv import gemv_applies, gemv_rms_norm
 from .pdl import pdl_enabled
+from .quant_norm_fold import quant_post_norm_forward
 
 FOLD_MAX_HIDDEN = 2048  # widest input row the norm is folded for (see the module docstring)
 # Decode attention past the folded GEMV as one launch (see the module docstring); off for A/B runs.
@@ -213,6 +214,9 @@ def fused_norm_decode_forward(self, hidden, residual, cos, sin, batch):
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
+        quantized = quant_post_norm_forward(self, hidden, residual, cos, sin, batch)
+        if quantized is not None:  # a quantized layer's post-attention norm inside its GEMVs
+            return quantized
         hidden = attn(hidden, cos, sin, batch)
 
     # The exact class is DecoderLayer (the hub's predicate), so feed_forward is the MLP itself.

@@ -36,9 +36,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .activation import _act_and_grad, _code
-from .grid import sm_count
+from .activation import _code
+from .grid import next_power_of_2, sm_count
 from .pdl import pdl_enabled, release_dependents, wait_for_producer
+from .quant_gemv_epilogues import rstd_of, store_gated, store_normed, store_rows
 from .quant_fragments import INT4_GROUP, INT8_BLOCK, int4_block_asm, int8_block_asm
 from .quant_matmul import PackedWeight, interpreting
 
@@ -144,47 +145,15 @@ def _block(w, xb, s_at, z_at, n_blocks, ok, acc, r1, r2, FMT: tl.constexpr, HAS_
 
 
 @triton.jit
-def _row_values(acc, s_ptr, b_ptr, rows, WARPS: tl.constexpr, ROW_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """fp32 dots of ``rows`` (one per lane) from the warps' shares, times the row's scale for int8 and
-    plus the bias: every t of a row holds its dot (all 8 mma columns are alike)."""
-    out = tl.sum(tl.reshape(acc, [WARPS, 32]), axis=0)
-    if ROW_SCALE:
-        out *= tl.load(s_ptr + rows)
-    if HAS_BIAS:
-        out += tl.load(b_ptr + rows).to(tl.float32)
-    return out
-
-
-@triton.jit
-def _store(acc, s_ptr, b_ptr, out_ptr, row, WARPS: tl.constexpr, ROW_SCALE: tl.constexpr,
-           HAS_BIAS: tl.constexpr):
-    """Rows ``row + lane // 4``; t = 0 stores."""
-    lanes = tl.arange(0, 32)
-    rows = row + lanes // 4
-    out = _row_values(acc, s_ptr, b_ptr, rows, WARPS, ROW_SCALE, HAS_BIAS)
-    tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=lanes % 4 == 0)
-
-
-@triton.jit
-def _store_gated(gate, up, s_ptr, b_ptr, out_ptr, row, half, WARPS: tl.constexpr, ROW_SCALE: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, ACT: tl.constexpr):
-    """``act(gate) * up`` into rows ``row + lane // 4`` of the output, from the accumulators of packed
-    rows ``row + lane // 4`` (gate) and ``half`` past them (up). gate and up are rounded to the output
-    dtype first and the product computed as ``activation.py``'s act-and-mul kernel does, so the result
-    is bit for bit the packed projection's output passed through that kernel."""
-    lanes = tl.arange(0, 32)
-    rows = row + lanes // 4
-    dtype = out_ptr.dtype.element_ty
-    g = _row_values(gate, s_ptr, b_ptr, rows, WARPS, ROW_SCALE, HAS_BIAS).to(dtype).to(tl.float32)
-    u = _row_values(up, s_ptr, b_ptr, rows + half, WARPS, ROW_SCALE, HAS_BIAS).to(dtype).to(tl.float32)
-    a, _ = _act_and_grad(g, ACT)
-    tl.store(out_ptr + rows, (a * u).to(dtype), mask=lanes % 4 == 0)
-
-
-@triton.jit
-def _kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, n_blocks, ld_q, half, FMT: tl.constexpr,
-            WARPS: tl.constexpr, TILES: tl.constexpr, DEPTH: tl.constexpr, HAS_ZEROS: tl.constexpr,
-            HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr, USE_PDL: tl.constexpr):
+def _kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, n_blocks, ld_q, half, p_ptr, n_shares, n_in, eps, r_ptr,
+            g_ptr, h_ptr, po_ptr, FMT: tl.constexpr, WARPS: tl.constexpr, TILES: tl.constexpr, DEPTH: tl.constexpr,
+            HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr,
+            SHARES: tl.constexpr, NORMED: tl.constexpr, USE_PDL: tl.constexpr):
+    # Epilogues (quant_gemv_epilogues.py): GATED >= 0, an activation code: act(gate) * up of a packed
+    # gate/up. SHARES > 0: the dots scaled by 1 / rms of x's un-normalised row, from the n_shares
+    # (<= SHARES) shares of its squares at p_ptr (n_in elements). NORMED: the residual add and the
+    # next norm's input: h = out + residual (r_ptr) into h_ptr, gamma (g_ptr) * h into out_ptr, the
+    # program's share of sum(h^2) into po_ptr.
     # One element per lane: [32 * WARPS] tensors are laid out one per thread, element e on thread e.
     e = tl.arange(0, 32 * WARPS)
     lane = e % 32
@@ -239,6 +208,9 @@ def _kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, n_blocks, ld_q, half, FM
         words_2 = _words(at + 16 * WARPS, ld_q, ok_2, r1, r2, TILES)
     wait_for_producer(USE_PDL)
     release_dependents(USE_PDL)
+    if SHARES > 0:  # read now, summed at the end
+        i = tl.arange(0, SHARES)
+        shares = tl.load(p_ptr + i, mask=i < n_shares, other=0.0)
     # Unrolled DEPTH times, the blocks in flight rotate through registers without moves.
     for step in tl.range(1, steps, loop_unroll_factor=DEPTH):
         if EVEN:
@@ -261,18 +233,35 @@ def _kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, n_blocks, ld_q, half, FM
         z_at += WARPS
     acc = _block(words, xb, s_at, z_at, n_blocks, ok, acc, r1, r2, FMT, HAS_ZEROS, TILES)
     ROW_SCALE: tl.constexpr = FMT == FMT_INT8
+    HAS_RSTD: tl.constexpr = SHARES > 0
+    rstd = 1.0
+    if HAS_RSTD:
+        rstd = rstd_of(shares, n_in, eps)
     if GATED >= 0:
         if TILES == 1:
-            _store_gated(acc[0], acc[1], s_ptr, b_ptr, out_ptr, row0, half, WARPS, ROW_SCALE, HAS_BIAS, GATED)
+            store_gated(acc[0], acc[1], s_ptr, b_ptr, out_ptr, row0, half, rstd, WARPS, ROW_SCALE, HAS_RSTD, HAS_BIAS,
+                        GATED)
         else:
-            _store_gated(acc[0], acc[2], s_ptr, b_ptr, out_ptr, row0, half, WARPS, ROW_SCALE, HAS_BIAS, GATED)
-            _store_gated(acc[1], acc[3], s_ptr, b_ptr, out_ptr, row0 + 8, half, WARPS, ROW_SCALE, HAS_BIAS, GATED)
-    else:
-        _store(acc[0], s_ptr, b_ptr, out_ptr, row0, WARPS, ROW_SCALE, HAS_BIAS)
-        _store(acc[1], s_ptr, b_ptr, out_ptr, row0 + 8, WARPS, ROW_SCALE, HAS_BIAS)
+            store_gated(acc[0], acc[2], s_ptr, b_ptr, out_ptr, row0, half, rstd, WARPS, ROW_SCALE, HAS_RSTD, HAS_BIAS,
+                        GATED)
+            store_gated(acc[1], acc[3], s_ptr, b_ptr, out_ptr, row0 + 8, half, rstd, WARPS, ROW_SCALE, HAS_RSTD,
+                        HAS_BIAS, GATED)
+    elif NORMED:
+        share = store_normed(acc[0], s_ptr, b_ptr, r_ptr, g_ptr, h_ptr, out_ptr, row0, WARPS, ROW_SCALE, HAS_BIAS)
+        share += store_normed(acc[1], s_ptr, b_ptr, r_ptr, g_ptr, h_ptr, out_ptr, row0 + 8, WARPS, ROW_SCALE,
+                              HAS_BIAS)
         if TILES == 2:
-            _store(acc[2], s_ptr, b_ptr, out_ptr, row0 + 16, WARPS, ROW_SCALE, HAS_BIAS)
-            _store(acc[3], s_ptr, b_ptr, out_ptr, row0 + 24, WARPS, ROW_SCALE, HAS_BIAS)
+            share += store_normed(acc[2], s_ptr, b_ptr, r_ptr, g_ptr, h_ptr, out_ptr, row0 + 16, WARPS, ROW_SCALE,
+                                  HAS_BIAS)
+            share += store_normed(acc[3], s_ptr, b_ptr, r_ptr, g_ptr, h_ptr, out_ptr, row0 + 24, WARPS, ROW_SCALE,
+                                  HAS_BIAS)
+        tl.store(po_ptr + tl.program_id(0), share)
+    else:
+        store_rows(acc[0], s_ptr, b_ptr, out_ptr, row0, rstd, WARPS, ROW_SCALE, HAS_RSTD, HAS_BIAS)
+        store_rows(acc[1], s_ptr, b_ptr, out_ptr, row0 + 8, rstd, WARPS, ROW_SCALE, HAS_RSTD, HAS_BIAS)
+        if TILES == 2:
+            store_rows(acc[2], s_ptr, b_ptr, out_ptr, row0 + 16, rstd, WARPS, ROW_SCALE, HAS_RSTD, HAS_BIAS)
+            store_rows(acc[3], s_ptr, b_ptr, out_ptr, row0 + 24, rstd, WARPS, ROW_SCALE, HAS_RSTD, HAS_BIAS)
 
 
 def supports(x: torch.Tensor, w: PackedWeight) -> bool:
@@ -310,27 +299,50 @@ def default_plan(n: int, fmt: str, device: torch.device) -> tuple[int, int, int]
     return 8, 1, 2
 
 
+def _check(x: torch.Tensor, w: PackedWeight) -> None:
+    if not supports(x, w):
+        raise ValueError(f"quant_gemv_mma: needs one contiguous row of bf16 x on a GPU of compute capability 8.0+, "
+                         f"whole 16-row tiles, and int4 weights in groups of {INT4_GROUP} or int8 with K a multiple "
+                         f"of {INT8_BLOCK}; got x {tuple(x.shape)} {x.dtype} on {x.device}, {w.fmt} (group "
+                         f"{w.group_size}) of {w.out_features} x {w.in_features}")
+
+
 def quant_gemv_mma(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None,
-                   plan: tuple[int, int, int] | None = None, act: str | None = None) -> torch.Tensor:
+                   plan: tuple[int, int, int] | None = None, act: str | None = None,
+                   rms: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """``x [1, K]`` bf16 -> ``[1, N]`` bf16, bias added; see ``supports``. ``plan`` (warps, tiles a warp,
     blocks in flight: one of ``DEPTHS``) overrides ``default_plan`` (benchmarks, tests).
 
     With ``act`` (an ``activation.KERNEL_ACTIVATIONS`` name), ``w`` is a packed gate/up projection
     (gate rows, then as many up rows) and the result is ``act(gate) * up``, ``[1, N / 2]``: bit for bit
     the packed output passed through the act-and-mul kernel, without that launch. Each program does
-    the work of the plain plan's program (8 or 16 output rows from as many gate and up rows)."""
-    if not supports(x, w):
-        raise ValueError(f"quant_gemv_mma: needs one contiguous row of bf16 x on a GPU of compute capability 8.0+, "
-                         f"whole 16-row tiles, and int4 weights in groups of {INT4_GROUP} or int8 with K a multiple "
-                         f"of {INT8_BLOCK}; got x {tuple(x.shape)} {x.dtype} on {x.device}, {w.fmt} (group "
-                         f"{w.group_size}) of {w.out_features} x {w.in_features}")
-    return _launch(x, w, bias, plan or default_plan(w.out_features, w.fmt, x.device), act)
+    the work of the plain plan's program (8 or 16 output rows from as many gate and up rows).
+
+    With ``rms = (shares, eps)``, x is ``gamma * h`` and the shares of ``sum(h^2)`` from
+    ``quant_gemv_mma_normed``: the result is that of ``x = RMSNorm(h)`` up to rounding."""
+    _check(x, w)
+    return _launch(x, w, bias, plan or default_plan(w.out_features, w.fmt, x.device), act, rms)
+
+
+def quant_gemv_mma_normed(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, residual: torch.Tensor,
+                          norm_weight: torch.Tensor, plan: tuple[int, int, int] | None = None):
+    """The projection ``o = x W^T (+ bias)`` ending in the residual add and the next RMSNorm's first half:
+    ``(h, gamma * h, shares)`` with ``h = o + residual`` (``[1, N]``, rounded as the unfused add),
+    ``gamma = norm_weight`` and ``shares`` the programs' fp32 sums of ``h^2``, for
+    ``quant_gemv_mma(gamma * h, ..., rms=(shares, eps))``."""
+    _check(x, w)
+    n = w.out_features
+    if residual.shape != (1, n) or norm_weight.shape != (n,) or not (residual.is_contiguous() and norm_weight.is_contiguous()):
+        raise ValueError(f"quant_gemv_mma_normed: residual [1, {n}] and norm_weight [{n}], contiguous; got "
+                         f"{tuple(residual.shape)} and {tuple(norm_weight.shape)}")
+    return _launch(x, w, bias, plan or default_plan(n, w.fmt, x.device), None, None, (residual, norm_weight))
 
 
 def _launch(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, plan: tuple[int, int, int],
-            act: str | None) -> torch.Tensor:
-    """The launch behind ``quant_gemv_mma``, past its checks of the device (the tests run it on the CPU
-    through the interpreter, with the PTX emulated)."""
+            act: str | None = None, rms: tuple[torch.Tensor, float] | None = None,
+            normed: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """The launch behind ``quant_gemv_mma`` and ``quant_gemv_mma_normed``, past their checks of the device
+    (the tests run it on the CPU through the interpreter, with the PTX emulated)."""
     n = w.out_features
     warps, per_warp, depth = plan
     gated = -1 if act is None else _code(act)
@@ -339,14 +351,21 @@ def _launch(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, plan: t
         what = "" if act is None else f" (gated: {per_warp} x 8 of the {n // 2} output rows a program)"
         raise ValueError(f"quant_gemv_mma: {per_warp} tiles of 16 rows a warp for {n} rows{what}, depth {depth} "
                          f"(one of {DEPTHS})")
+    programs = rows_out // rows_a_program
     words = w.qweight.view(torch.int64)
     out = torch.empty(1, rows_out, device=x.device, dtype=x.dtype)
+    shares, eps = rms if rms is not None else (out, 0.0)  # not read without rms
+    residual, gamma = normed if normed is not None else (out, out)  # not read unless normed
+    h = torch.empty_like(out) if normed is not None else out
+    shares_out = torch.empty(programs, device=x.device, dtype=torch.float32) if normed is not None else out
     pdl = pdl_enabled(x.device)
     zeros = w.zeros if w.zeros is not None else w.scales  # not read without zero points
-    _kernel[(rows_out // rows_a_program,)](
+    _kernel[(programs,)](
         x.view(torch.int64), words, w.scales, zeros, bias if bias is not None else out, out, w.n_blocks,
-        words.stride(0), n // 2, FMT=FMT_INT8 if w.fmt == "int8" else FMT_INT4, WARPS=warps, TILES=per_warp,
-        DEPTH=depth, HAS_ZEROS=w.zeros is not None, HAS_BIAS=bias is not None,
-        EVEN=UNMASKED_EVEN and w.n_blocks % warps == 0 and w.n_blocks >= depth * warps, GATED=gated, USE_PDL=pdl,
+        words.stride(0), n // 2, shares, shares.numel(), w.in_features, eps, residual, gamma, h, shares_out,
+        FMT=FMT_INT8 if w.fmt == "int8" else FMT_INT4, WARPS=warps, TILES=per_warp, DEPTH=depth,
+        HAS_ZEROS=w.zeros is not None, HAS_BIAS=bias is not None,
+        EVEN=UNMASKED_EVEN and w.n_blocks % warps == 0 and w.n_blocks >= depth * warps, GATED=gated,
+        SHARES=0 if rms is None else next_power_of_2(shares.numel()), NORMED=normed is not None, USE_PDL=pdl,
         num_warps=warps, launch_pdl=pdl)
-    return out
+    return (h, out, shares_out) if normed is not None else out

@@ -59,6 +59,10 @@ class Attention(nn.Module):
 
     def attend(self, q, k, v, cos: torch.Tensor, sin: torch.Tensor, batch) -> torch.Tensor:
         """Everything after the projections: q, k, v ``[T, N*D]`` (views are fine) -> ``[T, hidden]``."""
+        return self.o_proj(self.attend_heads(q, k, v, cos, sin, batch))
+
+    def attend_heads(self, q, k, v, cos: torch.Tensor, sin: torch.Tensor, batch) -> torch.Tensor:
+        """``attend`` up to the output projection: the heads' outputs ``[T, N*D]``."""
         t, d = q.shape[0], self.head_dim
         # -1 head counts: under tensor parallelism each rank holds a slice of the heads.
         q, k, v = q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)
@@ -67,4 +71,4 @@ class Attention(nn.Module):
         store = None if cache is None else KVStore(v, cache.k[i], cache.v[i], batch.slot_mapping)
         q, k = self.rotary(q, k, cos, sin, self.q_norm, self.k_norm, kv_store=store)
         out = self.backend(q, k, v, batch, i, self.scaling, self.sliding_window, kv_stored=store is not None)
-        return self.o_proj(out.reshape(t, -1))
+        return out.reshape(t, -1)
