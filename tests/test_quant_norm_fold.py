@@ -60,12 +60,37 @@ def test_one_row_folds_the_norm_with_the_unfused_results(name, gated, emulated, 
         monkeypatch.setattr(fragment, "GATED", gated)
         got = model(ids).logits
     layers = len(model.model.layers)
-    assert len(emulated) == layers and len(outs) == 2 * layers
+    assert len(emulated) == layers and len(outs) == 2 * layers  # hooked down projections: no handoff
     # bf16 rounds elsewhere (here toward zero, as the interpreter does): up to ~1% of the outputs' norm,
     # where 1 / rms off by 10% moves them 3-20%.
     for unfused, folded in zip(outs[:layers], outs[layers:]):
         assert (folded.float() - unfused.float()).norm() <= 0.02 * unfused.float().norm()
     torch.testing.assert_close(got, want, atol=0.01, rtol=0.02)  # logits ~0.5: a bf16 step or two
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("name", ["qwen3", "llama_bias"])
+def test_down_projection_hands_the_next_layer_its_normed_input(name, gated, emulated, monkeypatch):
+    """Unhooked, each layer but the last ends in the next one's input norm: one more normed GEMV a layer,
+    and the final hidden states (the lm_head's input) are the unfused ones up to rounding."""
+    model = _model(name)
+    ids = torch.randint(3, 211, (1, 1), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = _final_hidden(model, ids)
+        monkeypatch.setattr(fold, "NORM_FOLD", True)
+        monkeypatch.setattr(fragment, "GATED", gated)
+        got = _final_hidden(model, ids)
+    layers = len(model.model.layers)
+    assert len(emulated) == 2 * layers - 1
+    assert (got - want).norm() <= 0.02 * want.norm()
+
+
+def _final_hidden(model, ids):
+    seen = []
+    handle = model.lm_head.register_forward_pre_hook(lambda mod, args: seen.append(args[0].float()))
+    model(ids)
+    handle.remove()
+    return seen[0]
 
 
 def test_more_rows_and_autograd_stay_unfused(emulated, monkeypatch):
@@ -87,3 +112,16 @@ def test_adapters_are_not_bypassed(emulated, monkeypatch):
     assert not emulated  # an adapter on o_proj: the fold would skip it
     row = torch.zeros(1, 64, dtype=torch.bfloat16)
     assert "output projection" in fold._declines(model.model.layers[0], row, row)  # the adapter wraps it in place
+
+
+def test_generate_folds_every_decode_step(emulated, monkeypatch):
+    """generate() on the CPU (the static cache's decode steps, eager): every one-token step folds, the
+    prompt pass does not."""
+    model = _model()
+    monkeypatch.setattr(fold, "NORM_FOLD", True)
+    monkeypatch.setattr(fragment, "GATED", True)
+    ids = torch.randint(3, 211, (1, 5), generator=torch.Generator().manual_seed(6))
+    out = model.generate(ids, max_new_tokens=4, do_sample=False, eos_token_id=None)
+    assert out.shape == (1, 9)
+    layers = len(model.model.layers)
+    assert len(emulated) == 3 * (2 * layers - 1)  # steps 2-4 of 4: the first token comes from the prompt pass

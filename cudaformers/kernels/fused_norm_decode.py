@@ -50,7 +50,7 @@ from ..layers.norm import RMSNorm
 from .fused_projections import PackedLinear
 from .gemv import gemv_applies, gemv_rms_norm
 from .pdl import pdl_enabled
-from .quant_norm_fold import quant_post_norm_forward
+from .quant_norm_fold import prenormed_input, quant_post_norm_forward
 
 FOLD_MAX_HIDDEN = 2048  # widest input row the norm is folded for (see the module docstring)
 # Decode attention past the folded GEMV as one launch (see the module docstring); off for A/B runs.
@@ -202,8 +202,13 @@ def _gate_up_packed(mlp) -> PackedLinear | None:
 
 
 def fused_norm_decode_forward(self, hidden, residual, cos, sin, batch):
-    """``DecoderLayer.forward`` with each norm folded into the GEMV after it where that is exact."""
+    """``DecoderLayer.forward`` with each norm folded into the GEMV after it where that is exact (and,
+    in quantized layers switched to it, around the GEMVs where it is not: ``quant_norm_fold.py``)."""
     attn, mlp = self.self_attn, self.mlp
+    prenormed = prenormed_input(self, hidden, residual, batch)
+    if prenormed is not None:  # the previous layer's down projection normed this input
+        gamma_h, shares = prenormed
+        return quant_post_norm_forward(self, gamma_h, hidden, cos, sin, batch, shares)
     folded = _fold(self.input_layernorm, _qkv_packed(attn), hidden, residual)
     if folded is not None:
         qkv, residual = folded

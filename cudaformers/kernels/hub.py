@@ -404,6 +404,10 @@ def _apply(model, config: KernelConfig | None, mode: str) -> dict:
                     structure.changed()  # captured graphs replay the forward bound before
             kernel, reason, count = chosen.get(lt.name, (name, why, 0))
             chosen[lt.name] = (kernel, reason, count + 1)
+    if chosen.get("DecoderLayer", ("",))[0]:  # its folds across layers need each layer's successor
+        from .quant_norm_fold import link_layers
+
+        link_layers(model)
     return chosen
 
 

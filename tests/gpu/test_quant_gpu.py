@@ -325,10 +325,11 @@ def test_quantized_decode_with_gated_gemv_gives_the_same_tokens(method, monkeypa
 
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("method", ["int8", "int4"])
-def test_quantized_decode_with_the_post_attention_norm_folded(method, gated, monkeypatch):
-    """``quant_norm_fold.NORM_FOLD``: every layer's output projection ends in the residual add and the
-    gate/up GEMV scales by 1 / rms; a one-token forward's logits are the unfused ones up to rounding, and
-    graphs give the eager tokens."""
+def test_quantized_decode_with_the_norms_folded(method, gated, monkeypatch):
+    """``quant_norm_fold.NORM_FOLD``: every layer's output projection (and the first layer's down
+    projection, for the second's input norm) ends in the residual add, and the GEMV after it scales by
+    1 / rms; a one-token forward's logits are the unfused ones up to rounding, and graphs give the
+    eager tokens."""
     from cudaformers.kernels import quant_gemv_mma as fragment
     from cudaformers.kernels import quant_norm_fold
 
@@ -343,7 +344,7 @@ def test_quantized_decode_with_the_post_attention_norm_folded(method, gated, mon
     monkeypatch.setattr(fragment, "GATED", gated)
     with torch.no_grad():
         got = model(ids).logits.float()
-    assert len(normed) == 2
+    assert len(normed) == 3
     assert (got - want).norm() <= 0.02 * want.norm()
     model.__dict__.pop("_decode_runners", None)
     prompt = torch.randint(3, 4000, (1, 9), generator=torch.Generator().manual_seed(0)).cuda()
