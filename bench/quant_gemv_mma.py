@@ -1,10 +1,14 @@
 """The fragment GEMV (``kernels/quant_gemv_mma.py``, int4 and int8) against the kernels it replaced, on
 qwen3-8b's layers at batch 1 (q/k/v and gate/up packed), weights read from HBM (copies cycled past L2).
 
-    python bench/quant_gemv_mma.py [--formats int4,int8]
+    python bench/quant_gemv_mma.py [--formats int4,int8] [--unmasked] [--folds]
 
 us per call in a CUDA graph of 50 calls (PDL as in decode; best of five replays), and the packed bytes' rate;
 the bf16 GEMV of the same layer for scale. Fragment variants are (warps, tiles a warp, blocks in flight).
+``--folds`` instead times the folds against the launches they replace, at the default plans: gate/up
+with the act-and-mul in its epilogue against gate/up then the act-and-mul kernel, and o ending in the
+residual add and the norm's shares, then gate/up scaled by 1 / rms, against o, the RMSNorm (with its
+residual add), then gate/up.
 """
 
 from __future__ import annotations
@@ -46,7 +50,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--formats", default="int4,int8")
     ap.add_argument("--unmasked", action="store_true", help="loads without masks where the blocks divide evenly")
+    ap.add_argument("--folds", action="store_true", help="the gated and normed folds against their launches")
     args = ap.parse_args()
+    if args.folds:
+        return folds(args.formats.split(","))
     from cudaformers.kernels import quant_matmul as qm
     from cudaformers.kernels import quant_mma
     from cudaformers.kernels.gemv import gemv
@@ -80,6 +87,42 @@ def main() -> None:
             print(f"  {label:30s} {us:7.2f} us  {nbytes / 1e6 / us:5.2f} TB/s")
             total[label] = total.get(label, 0.0) + us
     print("a layer (four calls):", {k: round(v, 2) for k, v in total.items()})
+
+
+def folds(formats: list[str]) -> None:
+    """us per chain (each a CUDA graph of 50 over weight copies past L2) of the folds and what they replace."""
+    from cudaformers.kernels.activation import act_and_mul_forward
+    from cudaformers.kernels.quant_gemv_mma import quant_gemv_mma, quant_gemv_mma_normed
+    from cudaformers.kernels.rms_norm import rms_norm_forward
+
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    (n_gu, k), (n_o, _) = SHAPES["gate_up"], SHAPES["o"]
+    x = torch.randn(1, k, device="cuda").bfloat16()
+    residual = torch.randn(1, k, device="cuda").bfloat16()
+    gamma = torch.ones(k, device="cuda").bfloat16()
+    for fmt in formats:
+        gus, _ = packed_copies(fmt, torch.randn(n_gu, k, device="cuda") * 0.02)
+        os_, _ = packed_copies(fmt, torch.randn(n_o, k, device="cuda") * 0.02)
+        half = n_gu // 2
+
+        def two_launches(w):
+            out = quant_gemv_mma(x, w)
+            return act_and_mul_forward(out[:, :half], out[:, half:], "silu", pdl=True)
+
+        def unfolded(w_o, w_gu):
+            hn, _, _ = rms_norm_forward(quant_gemv_mma(x, w_o), gamma, 1e-6, residual, pdl=True)
+            return quant_gemv_mma(hn, w_gu)
+
+        def folded(w_o, w_gu):
+            _, gamma_h, shares = quant_gemv_mma_normed(x, w_o, None, residual, gamma)
+            return quant_gemv_mma(gamma_h, w_gu, rms=(shares, 1e-6))
+
+        pairs = list(zip(os_, gus))
+        for label, calls in (("gate/up, then act-and-mul", [lambda w=w: two_launches(w) for w in gus]),
+                             ("gate/up gated", [lambda w=w: quant_gemv_mma(x, w, act="silu") for w in gus]),
+                             ("o, RMSNorm, gate/up", [lambda p=p: unfolded(*p) for p in pairs]),
+                             ("o normed, gate/up by 1 / rms", [lambda p=p: folded(*p) for p in pairs])):
+            print(f"  {fmt} {label:32s} {graph_us(calls):7.2f} us")
 
 
 if __name__ == "__main__":
