@@ -103,6 +103,9 @@ def _declines(layer, hidden: torch.Tensor, residual: torch.Tensor | None) -> str
     dtypes = {hidden.dtype, residual.dtype, norm.weight.dtype, attn.o_proj.compute_dtype, packed.layer.compute_dtype}
     if dtypes != {torch.bfloat16}:
         return "not all bf16"
+    tensors = (residual, norm.weight, attn.o_proj.weight, packed.layer.weight, mlp.down_proj.weight)
+    if any(t.device != hidden.device for t in tensors):
+        return "not all on the row's device"
     if not quant_gemv_mma.supports(hidden, packed.layer.packed()):
         return "the fragment GEMV does not take gate/up"
     return None
@@ -123,7 +126,9 @@ def _takes_prenormed(layer, hidden: torch.Tensor) -> bool:
         return False
     attn = layer.self_attn
     packed = _packed_quant(attn, "packed_qkv", attn.q_proj)
-    return (packed is not None and packed.layer.compute_dtype == torch.bfloat16
+    if packed is None or {layer.input_layernorm.weight.device, packed.layer.weight.device} != {hidden.device}:
+        return False  # (device_map may place the next layer on another GPU)
+    return (packed.layer.compute_dtype == torch.bfloat16
             and quant_gemv_mma.supports(hidden, packed.layer.packed()) and _declines(layer, hidden, hidden) is None)
 
 
