@@ -125,3 +125,17 @@ def test_generate_folds_every_decode_step(emulated, monkeypatch):
     assert out.shape == (1, 9)
     layers = len(model.model.layers)
     assert len(emulated) == 3 * (2 * layers - 1)  # steps 2-4 of 4: the first token comes from the prompt pass
+
+
+def test_layers_find_their_successor_while_they_sit_in_their_list():
+    import copy
+    import pickle
+
+    model = _model()
+    first, second = model.model.layers
+    assert fold._next_layer(first) is second and fold._next_layer(second) is None
+    # Copies drop the link (a copied layer must not drag the whole list along) until kernels are bound again.
+    assert fold._next_layer(copy.deepcopy(first)) is None
+    assert pickle.loads(pickle.dumps(first.__dict__["_layer_list"])) is None
+    model.model.layers[0] = copy.deepcopy(first)  # replaced after linking: the old one has no successor now
+    assert fold._next_layer(first) is None

@@ -40,6 +40,22 @@ from ..quant.packing import PackedQuantLinear
 NORM_FOLD = False
 
 
+class _Link:
+    """A decoder layer's list and place in it: a weak reference, which copies and pickles of the model
+    drop (the layer then has no successor until its kernels are bound again)."""
+
+    __slots__ = ("layers", "index")
+
+    def __init__(self, layers: nn.ModuleList, index: int):
+        self.layers, self.index = weakref.ref(layers), index
+
+    def __deepcopy__(self, memo):
+        return None
+
+    def __reduce__(self):
+        return type(None), ()
+
+
 def link_layers(model: nn.Module) -> None:
     """Each decoder layer of ``model`` learns its list and place, to find its successor."""
     from ..models.llama import DecoderLayer
@@ -48,15 +64,16 @@ def link_layers(model: nn.Module) -> None:
         if isinstance(module, nn.ModuleList):
             for i, layer in enumerate(module):
                 if isinstance(layer, DecoderLayer):
-                    layer.__dict__["_layer_list"] = (weakref.ref(module), i)
+                    layer.__dict__["_layer_list"] = _Link(module, i)
 
 
 def _next_layer(layer: nn.Module) -> nn.Module | None:
-    ref, i = layer.__dict__.get("_layer_list", (None, 0))
-    layers = None if ref is None else ref()
-    if layers is None or i + 1 >= len(layers) or layers[i] is not layer:
+    """The layer after ``layer`` in the list it was linked in, while it still sits there."""
+    link = layer.__dict__.get("_layer_list")
+    layers = None if link is None else link.layers()
+    if layers is None or link.index + 1 >= len(layers) or layers[link.index] is not layer:
         return None
-    return layers[i + 1]
+    return layers[link.index + 1]
 
 
 def _plain_quant(linear) -> bool:
