@@ -133,15 +133,15 @@ for part in "${parts[@]}"; do
     l2-upside) run l2-upside 60 python3 bench/l2_upside.py ;;
     # The switches not yet measured (bench/RESULTS.md "Not yet run on a GPU"): the fragment GEMV's unmasked
     # loads, then the batch-1 paged decode's spill-free tiles, alone and with qk_norm_rope fused in.
-    unmasked-ab) run unmasked-tests 120 python3 -m pytest -q -rfE --tb=line -m gpu -p no:cacheprovider -n 8 \
-                   tests/gpu/test_quant_gpu.py -k fragment
-                 run unmasked-bench 200 python3 bench/quant_gemv_mma.py --unmasked ;;
+    unmasked-ab) run unmasked-bench 200 python3 bench/quant_gemv_mma.py --unmasked
+                 run unmasked-decode 200 python3 bench/quant.py --parts decode --shapes qwen3-8b --methods \
+                   bf16,int4,int4_unmasked,int8,int8_unmasked --json "$OUT/results.jsonl" ;;
     quant-gated-ab) run quant-gated-tests 150 python3 -m pytest -q -rfE --tb=line -m gpu -p no:cacheprovider -n 8 \
                       tests/gpu/test_quant_gpu.py -k "gated or normed or folded or fragment_gemv_matches"
                     run quant-folds 120 python3 bench/quant_gemv_mma.py --folds
                     run quant-gated-ab 300 python3 bench/quant.py --parts decode --shapes qwen3-8b --methods \
-                      bf16,int4,int4_gated,int4_gated_fold,int8,int8_gated,int8_gated_fold,int4_unmasked,\
-int8_unmasked,int4_head_gated_fold,int4 --json "$OUT/results.jsonl" ;;
+                      bf16,int4,int4_gated,int4_gated_fold,int8,int8_gated,int8_gated_fold,int4_head_gated_fold,\
+bf16_lat,int4_gated_fold_lat,int4 --json "$OUT/results.jsonl" ;;
     lat-ab) run lat-ab 300 python3 bench/generate.py --skip-hf --workloads W1 --check-eager --variants \
               triton+kernels,triton+kernels+lat8.64.3,triton+kernels+fuseattnpdl+lat8.64.3,triton+kernels+lat4.64.3,\
 triton+kernels+fuseattnpdl,triton+kernels --json "$OUT/results.jsonl" ;;

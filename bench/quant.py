@@ -11,8 +11,8 @@ BLOCK_N (the default marked), to tune ``quant_gemv.gemv_tiles``. mma: the tensor
 (``quant_mma``) at M = 1 and 16 over its tilings, with and without its PTX unpack, beside the kernel it
 replaces. Decode methods may end in switches: ``_fma`` (the FMA GEMV instead of the tensor-core kernel), ``_dot``
 (batch 1 without the fragment GEMV), ``_gated`` (``quant_gemv_mma.GATED``: gate/up's act-and-mul in the fragment
-GEMV), ``_unmasked`` (``quant_gemv_mma.UNMASKED_EVEN``), ``_fold`` (``quant_norm_fold.NORM_FOLD``), e.g.
-``int4_gated_fold``. decode: W1/W2 (generate, batch 1, 128-token prompt,
+GEMV), ``_unmasked`` (``quant_gemv_mma.UNMASKED_EVEN``), ``_fold`` (``quant_norm_fold.NORM_FOLD``), ``_lat``
+(the batch-1 paged decode in 8 warps of 64-key tiles), e.g. ``int4_gated_fold``. decode: W1/W2 (generate, batch 1, 128-token prompt,
 256 new tokens, greedy; triton attention and use_kernels=True for every method, bf16 too) per method
 on the same saved random weights, with peak memory. qlora: one NF4 + LoRA (r 16, all linear layers)
 training step on qwen3-8b shapes at batch 1 x 2048 with gradient checkpointing: peak memory (goal <= 12 GiB) and step time. Each case runs in its own
@@ -226,7 +226,7 @@ def bench_mma(methods, bw, env, json_path, tilings=None, ms=(1, 16)) -> list[dic
     return rows
 
 
-SWITCHES = ("fma", "dot", "gated", "unmasked", "fold")
+SWITCHES = ("fma", "dot", "gated", "unmasked", "fold", "lat")
 
 
 def method_switches(method: str) -> tuple[str, set[str]]:
@@ -247,6 +247,7 @@ def bench_decode(shape, methods, bw, env, json_path) -> list[dict]:
     rows, base = [], None
     from cudaformers.kernels import quant_gemv_mma as fragment
     from cudaformers.kernels import quant_matmul as qm
+    from cudaformers.kernels import paged_decode
     from cudaformers.kernels import quant_norm_fold as norm_fold
 
     for method in methods:
@@ -257,7 +258,11 @@ def bench_decode(shape, methods, bw, env, json_path) -> list[dict]:
             qm.USE_FRAGMENT_GEMV = "dot" not in switches  # batch 1 without the fragment GEMV
             fragment.GATED = "gated" in switches  # gate/up's act-and-mul in the fragment GEMV
             fragment.UNMASKED_EVEN = "unmasked" in switches  # its loads without masks
-            norm_fold.NORM_FOLD = "fold" in switches  # the post-attention norm inside the GEMVs
+            norm_fold.NORM_FOLD = "fold" in switches  # the norms inside the GEMVs around them
+            # the batch-1 paged decode in 8 warps of 64-key tiles, 3 stages (bench/generate.py's lat8.64.3)
+            paged_decode.LATENCY_WARPS, paged_decode.LATENCY_KEYS, paged_decode.LATENCY_STAGES = (
+                (8, 64, 3) if "lat" in switches else (4, 0, 2))
+            paged_decode.default_tiling.cache_clear()
             model, load_s = timed(lambda: AutoModelForCausalLM.from_pretrained(
                 folder, dtype=torch.bfloat16, device_map="cuda", quantization_config=method_config(base_method),
                 attn_implementation="triton", use_kernels=True))  # every method in its fastest setting
