@@ -136,9 +136,9 @@ for part in "${parts[@]}"; do
     unmasked-ab) run unmasked-bench 200 python3 bench/quant_gemv_mma.py --unmasked
                  run unmasked-decode 200 python3 bench/quant.py --parts decode --shapes qwen3-8b --methods \
                    bf16,int4,int4_unmasked,int8,int8_unmasked --json "$OUT/results.jsonl" ;;
-    quant-gated-ab) run quant-gated-tests 150 python3 -m pytest -q -rfE --tb=line -m gpu -p no:cacheprovider -n 8 \
-                      tests/gpu/test_quant_gpu.py -k "gated or normed or folded or fragment_gemv_matches"
-                    run quant-folds 120 python3 bench/quant_gemv_mma.py --folds
+    quant-gated-tests) run quant-gated-tests 240 python3 -m pytest -q -rfE --tb=line -m gpu -p no:cacheprovider -n 8 \
+                         tests/gpu/test_quant_gpu.py -k "gated or normed or folded or fragment_gemv_matches" ;;
+    quant-gated-ab) run quant-folds 120 python3 bench/quant_gemv_mma.py --folds
                     run quant-gated-ab 300 python3 bench/quant.py --parts decode --shapes qwen3-8b --methods \
                       bf16,int4,int4_gated,int4_gated_fold,int8,int8_gated,int8_gated_fold,int4_head_gated_fold,\
 bf16_lat,int4_gated_fold_lat,int4 --json "$OUT/results.jsonl" ;;
