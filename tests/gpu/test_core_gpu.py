@@ -37,10 +37,15 @@ def test_graph_decode_equals_eager(dtype, attn):
     assert "generate cuda graphs" not in model.explain() or "on" in model.explain()
 
 
+@pytest.mark.parametrize("steps_per_graph", [1, 4])
 @pytest.mark.parametrize("attn", ["sdpa", "triton"])
-def test_graph_loop_reused_across_calls_equals_eager(attn):
+def test_graph_loop_reused_across_calls_equals_eager(attn, steps_per_graph, monkeypatch):
     """The captured loop (model step + sampling + stop rules) is reused by later calls whose eos
-    ids, pad id, min_new_tokens and lengths differ: each call must still equal the eager loop."""
+    ids, pad id, min_new_tokens and lengths differ: each call must still equal the eager loop, with
+    one step a replay or four (``decode.STEPS_PER_GRAPH``)."""
+    from cudaformers.generation import decode
+
+    monkeypatch.setattr(decode, "STEPS_PER_GRAPH", steps_per_graph)
     model = AutoModelForCausalLM.from_pretrained(tiny.checkpoint("qwen3"), device_map="cuda", attn_implementation=attn)
     ids = torch.randint(3, 211, (2, 9), device="cuda")
     probe = model.generate(ids, max_new_tokens=30, do_sample=False, eos_token_id=None, use_cuda_graph=False)
@@ -57,6 +62,8 @@ def test_graph_loop_reused_across_calls_equals_eager(attn):
             assert torch.equal(graph, eager), kw
     unseeded = model.generate(ids, do_sample=True, top_k=5, max_new_tokens=16, eos_token_id=None)
     assert unseeded.shape == (2, 25) and bool((unseeded[:, 9:] < model.config.vocab_size).all())
+    runner = next(iter(model._decode_runners.values()))
+    assert {n for _, n in runner.loop_graphs} == {1, steps_per_graph}
 
 
 def test_graphs_follow_a_replaced_module():
