@@ -19,7 +19,6 @@ from cudaformers import AutoModelForCausalLM, Int8Config, LoraConfig, get_peft_m
 from cudaformers.kernels.hub import KernelConfig  # noqa: E402
 from ptx_exec import emulate_inline_asm  # noqa: E402
 
-ON_CPU = {"cpu": {"inference": None, "training": ""}}
 KERNELS = KernelConfig({layer: {"cpu": {"inference": name, "training": ""}} for layer, name in (
     ("DecoderLayer", "cudaformers:fused_norm_decode"), ("GatedMLP", "cudaformers:fused_mlp_decode"),
     ("SiluAndMul", "cudaformers:act_and_mul"), ("RMSNorm", "cudaformers:rms_norm"))})

@@ -25,7 +25,10 @@ stream at 1.6-2.5 TB/s (int4) and 2.2-3.2 TB/s (int8), against 1.0-1.5 and 1.8-2
 With ``act``, a packed gate/up projection comes out as ``act(gate) * up``: the lane that holds gate row
 i also holds up row i (its tile's second half, or its second tile, lies at the up half), so the
 epilogue applies the act-and-mul kernel's own arithmetic to the rounded rows and the decode MLP loses
-that launch (``GATED``, through ``hub._gated_quant``).
+that launch (``GATED``, through ``hub._gated_quant``). ``quant_gemv_mma_normed`` ends a projection in
+the residual add and the next RMSNorm's first half, and ``rms=`` scales a GEMV by ``1 / rms`` from it:
+the decode layer's norms inside its GEMVs (``quant_norm_fold.py``; epilogues in
+``quant_gemv_epilogues.py``).
 
 On the CPU the tests run the whole kernel through the interpreter with its PTX emulated lane by lane
 (tests/ptx_exec.py, the ISA's fragment layouts) against the plain dot product and the reference.
