@@ -145,9 +145,10 @@ def _gated_quant(mlp, x):
     if not (quant_gemv_mma.GATED and quant_matmul.USE_MMA and quant_matmul.USE_FRAGMENT_GEMV):
         return None
     packed, act = getattr(mlp, "packed_gate_up", None), mlp.act_fn
-    if not isinstance(packed, PackedQuantLinear) or not packed.usable_for(mlp.gate_proj) or packed._forward_hooks:
+    hooked = lambda m: m._forward_hooks or m._forward_pre_hooks  # noqa: E731 - hooks would be bypassed
+    if not isinstance(packed, PackedQuantLinear) or not packed.usable_for(mlp.gate_proj) or hooked(packed):
         return None
-    if getattr(act.__dict__.get("forward"), "__func__", None) is not _act_and_mul or act._forward_hooks:
+    if getattr(act.__dict__.get("forward"), "__func__", None) is not _act_and_mul or hooked(act):
         return None
     layer = packed.layer
     if packed.sizes[0] * 2 != layer.out_features or x.dtype != layer.compute_dtype or x.numel() != layer.in_features:
