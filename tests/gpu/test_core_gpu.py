@@ -60,10 +60,10 @@ def test_graph_loop_reused_across_calls_equals_eager(attn, steps_per_graph, monk
             graph = model.generate(prompt, do_sample=False, use_cuda_graph=True, **kw)
             eager = model.generate(prompt, do_sample=False, use_cuda_graph=False, **kw)
             assert torch.equal(graph, eager), kw
+    runner = next(iter(model._decode_runners.values()))  # the last greedy call's: its graphs of 1 and n steps
+    assert {n for _, n in runner.loop_graphs} == {1, steps_per_graph}
     unseeded = model.generate(ids, do_sample=True, top_k=5, max_new_tokens=16, eos_token_id=None)
     assert unseeded.shape == (2, 25) and bool((unseeded[:, 9:] < model.config.vocab_size).all())
-    runner = next(iter(model._decode_runners.values()))
-    assert {n for _, n in runner.loop_graphs} == {1, steps_per_graph}
 
 
 def test_graphs_follow_a_replaced_module():
