@@ -155,7 +155,7 @@ def test_the_kernel_builds_for_hopper_with_mma_from_registers():
         # (one a tile); erf has its own.
         copies = depth + 2 if depth > 1 else 2
         assert mmas == (8 * tiles if fmt else 8 * (tiles + 1)) * copies and cubin > 0
-        assert shared_stores <= 4 * tiles + (1 if epilogue else 0)
+        assert shared_stores <= 4 * tiles + (2 if epilogue else 0)  # (triton 3.6: 2, 3.9: 1)
         assert exps == 0 if gated == -1 else (exps > 0 if gated == 2 else exps == tiles)
 
 
