@@ -52,9 +52,9 @@ MAX_SPLITS = 64
 # this many tiles, each program keeping BUSY_STAGES - 1 tiles in flight (default_tiling).
 BUSY_SPLIT_ABOVE, BUSY_SPLIT_TILES, BUSY_STAGES = 2048, 3, 4
 # Grids of fewer programs than SMs (decode at batch 1): warps, keys a tile (0: 32 KB of K at bf16) and
-# stages. At qwen3-0.6b's shapes the default compiles to 255 registers a thread with 56 bytes of spills
-# (144 with qk_norm_rope fused in), 8 warps of 64-key tiles to 188 (196) without spills (sm_90); which
-# is faster has not been measured (bench/generate.py "latW.N.S").
+# stages. At qwen3-0.6b's shapes, specialised as a launch is (aligned pointers), none of the candidates
+# spills on sm_90: the default 158-168 registers a thread, 8 warps of 64-key tiles 80; which is faster
+# has not been measured (bench/generate.py "latW.N.S").
 LATENCY_WARPS, LATENCY_KEYS, LATENCY_STAGES = 4, 0, 2
 # fp32 elements of partial outputs the merging program holds at once (64 registers a thread at 4 warps).
 _MERGE_ELEMENTS = 8192
