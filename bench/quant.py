@@ -12,8 +12,8 @@ BLOCK_N (the default marked), to tune ``quant_gemv.gemv_tiles``. mma: the tensor
 replaces. Decode methods may end in switches: ``_fma`` (the FMA GEMV instead of the tensor-core kernel), ``_dot``
 (batch 1 without the fragment GEMV), ``_gated`` (``quant_gemv_mma.GATED``: gate/up's act-and-mul in the fragment
 GEMV), ``_unmasked`` (``quant_gemv_mma.UNMASKED_EVEN``), ``_fold`` (``quant_norm_fold.NORM_FOLD``), ``_lat``
-(the batch-1 paged decode in 8 warps of 64-key tiles), e.g. ``int4_gated_fold``. decode: W1/W2 (generate, batch 1, 128-token prompt,
-256 new tokens, greedy; triton attention and use_kernels=True for every method, bf16 too) per method
+(the batch-1 paged decode in 8 warps of 64-key tiles), e.g. ``int4_gated_fold``. decode: W1/W2 (generate, batch 1,
+128-token prompt, 256 new tokens, greedy; triton attention and use_kernels=True for every method, bf16 too) per method
 on the same saved random weights, with peak memory. qlora: one NF4 + LoRA (r 16, all linear layers)
 training step on qwen3-8b shapes at batch 1 x 2048 with gradient checkpointing: peak memory (goal <= 12 GiB) and step time. Each case runs in its own
 try/except: a failure is printed and the run goes on.

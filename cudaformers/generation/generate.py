@@ -99,7 +99,8 @@ def generate(model, input_ids, attention_mask=None, generation_config=None, stre
     n = len(rows)
     runner = get_runner(model, n, max(max(lens) + max_new, prompt_width(lens)), use_cuda_graph)
     st, seen, generator, eos = sampling_state(model, gen, rows, eos_ids)
-    state, step, chunk = runner.loop(loop_kind(gen, st, len(eos_ids)), generator)  # may capture: before the prompt's cache
+    # May capture its graphs: before the prompt's cache is written.
+    state, step, chunk = runner.loop(loop_kind(gen, st, len(eos_ids)), generator)
     # The loop's buffers are filled before the prompt pass (the pass does not read them): their host
     # reads and copies then wait on an idle GPU, and from the prompt on the host never waits.
     state.start(st, seen, eos, pad, gen.min_new_tokens, max_new, torch.tensor(lens, device=dev))

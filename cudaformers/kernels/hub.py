@@ -64,6 +64,13 @@ def _act_and_mul(self, gate, up):
     return act_and_mul(gate, up, self.name)
 
 
+def _runs_act_kernel(act) -> bool:
+    """Whether ``act`` (a GatedActivation) runs exactly the act-and-mul kernel: that kernel's forward,
+    no hooks a fused launch would bypass."""
+    return (getattr(act.__dict__.get("forward"), "__func__", None) is _act_and_mul
+            and not act._forward_hooks and not act._forward_pre_hooks)
+
+
 def _linear(self, x):
     from .gemv import linear
     from .skinny_gemm import skinny_applies, skinny_linear
@@ -128,7 +135,7 @@ def _gated_skinny(mlp, x):
     act = mlp.act_fn
     if packed is None or getattr(packed.__dict__.get("forward"), "__func__", None) is not _linear:
         return None
-    if getattr(act.__dict__.get("forward"), "__func__", None) is not _act_and_mul or act._forward_hooks:
+    if not _runs_act_kernel(act):
         return None
     if packed.sizes[0] * 2 != packed.weight.shape[0] or not skinny_applies(packed.weight, x):
         return None
@@ -139,16 +146,14 @@ def _gated_quant(mlp, x):
     """``act(gate) * up`` from one fragment-GEMV launch (``quant_gemv_mma``'s ``act``) for one row of a
     quantized model whose gate/up projections are packed, where the unfused path would run exactly
     that GEMV and then the act-and-mul kernel (``quant_gemv_mma.GATED`` switches it on). None elsewhere."""
-    from ..quant.packing import PackedQuantLinear
     from . import quant_gemv_mma, quant_matmul
 
     if not (quant_gemv_mma.GATED and quant_matmul.USE_MMA and quant_matmul.USE_FRAGMENT_GEMV):
         return None
-    packed, act = getattr(mlp, "packed_gate_up", None), mlp.act_fn
-    hooked = lambda m: m._forward_hooks or m._forward_pre_hooks  # noqa: E731 - hooks would be bypassed
-    if not isinstance(packed, PackedQuantLinear) or not packed.usable_for(mlp.gate_proj) or hooked(packed):
-        return None
-    if getattr(act.__dict__.get("forward"), "__func__", None) is not _act_and_mul or hooked(act):
+    from .quant_norm_fold import _packed_quant
+
+    packed = _packed_quant(mlp, "packed_gate_up", mlp.gate_proj)
+    if packed is None or not _runs_act_kernel(mlp.act_fn):
         return None
     layer = packed.layer
     if packed.sizes[0] * 2 != layer.out_features or x.dtype != layer.compute_dtype or x.numel() != layer.in_features:
@@ -156,7 +161,7 @@ def _gated_quant(mlp, x):
     x2, w = x.reshape(1, -1), layer.packed()
     if not quant_gemv_mma.supports(x2, w):
         return None
-    h = quant_gemv_mma.quant_gemv_mma(x2, w, layer.bias, act=act.name)
+    h = quant_gemv_mma.quant_gemv_mma(x2, w, layer.bias, act=mlp.act_fn.name)
     return h.view(*x.shape[:-1], packed.sizes[0])
 
 

@@ -165,11 +165,13 @@ def quant_post_norm_forward(layer, hidden: torch.Tensor, residual: torch.Tensor 
     """``DecoderLayer.forward``'s result past its input norm (``hidden`` normed, ``residual`` the
     stream), or None where the fold does not apply. With ``shares``, ``hidden`` is ``gamma * h`` and
     ``residual`` h from ``prenormed_input``: q/k/v scale by ``1 / rms(h)`` instead."""
+    if not NORM_FOLD and shares is None:  # the common case, before any other check
+        return None
     if _declines(layer, hidden, residual) is not None:
         if shares is not None:
             raise RuntimeError("a decoder layer declined the input its predecessor normed for it")
         return None
-    from .hub import _act_and_mul
+    from .hub import _runs_act_kernel
     from .quant_gemv_mma import GATED, quant_gemv_mma, quant_gemv_mma_normed, supports
 
     attn, mlp, norm = layer.self_attn, layer.mlp, layer.post_attention_layernorm
@@ -185,12 +187,11 @@ def quant_post_norm_forward(layer, hidden: torch.Tensor, residual: torch.Tensor 
     if not supports(heads, w_o):  # the attention's output in a layout the GEMV does not read
         hidden, residual = norm(o(heads), residual)
         return layer.feed_forward(hidden), residual
-    h, gamma_h, shares = quant_gemv_mma_normed(heads, w_o, _bias(o), residual.contiguous(), norm.weight)
+    h, gamma_h, shares = quant_gemv_mma_normed(heads, w_o, o.bias, residual.contiguous(), norm.weight)
     packed, act = mlp.packed_gate_up, mlp.act_fn
     gu = packed.layer
     rms = (shares, norm.variance_epsilon)
-    fused_act = (GATED and getattr(act.__dict__.get("forward"), "__func__", None) is _act_and_mul
-                 and not act._forward_hooks and packed.sizes[0] * 2 == gu.out_features)
+    fused_act = GATED and _runs_act_kernel(act) and packed.sizes[0] * 2 == gu.out_features
     if fused_act:
         inner = quant_gemv_mma(gamma_h, gu.packed(), gu.bias, act=act.name, rms=rms)
     else:
@@ -199,11 +200,8 @@ def quant_post_norm_forward(layer, hidden: torch.Tensor, residual: torch.Tensor 
     if (nxt is None or batch is None or not _plain_quant(down) or not supports(inner, down.packed())
             or not _takes_prenormed(nxt, h)):
         return down(inner), h
-    h_next, gamma_h, shares = quant_gemv_mma_normed(inner, down.packed(), _bias(down), h,
+    h_next, gamma_h, shares = quant_gemv_mma_normed(inner, down.packed(), down.bias, h,
                                                     nxt.input_layernorm.weight)
     batch.memo(("prenormed", id(nxt)), lambda: (h_next, gamma_h, shares))
     return h_next, None  # the whole stream, as any next layer reads it
 
-
-def _bias(linear: QuantLinear) -> torch.Tensor | None:
-    return None if linear.bias is None else linear.bias.to(linear.compute_dtype)
