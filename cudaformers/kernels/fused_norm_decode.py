@@ -82,15 +82,20 @@ def _packed(owner: nn.Module, name: str, linears) -> PackedLinear | None:
     return packed if all(_streams_plainly(m) for m in linears) else None
 
 
+def _foldable(norm: RMSNorm, packed: PackedLinear | None, hidden, residual) -> bool:
+    """Whether ``packed(norm(hidden + residual))`` as one launch would match the unfused path."""
+    if packed is None or not _plain_norm(norm) or torch.is_autocast_enabled(hidden.device.type):
+        return False
+    if hidden.shape[-1] > FOLD_MAX_HIDDEN:
+        return False
+    inputs = (hidden, norm.weight) if residual is None else (hidden, residual, norm.weight)
+    return gemv_applies(packed.weight, *inputs)
+
+
 def _fold(norm: RMSNorm, packed: PackedLinear | None, hidden, residual):
     """``(packed(norm(hidden + residual)), hidden + residual)`` in one launch, or None where it
     would not match the unfused path."""
-    if packed is None or not _plain_norm(norm) or torch.is_autocast_enabled(hidden.device.type):
-        return None
-    if hidden.shape[-1] > FOLD_MAX_HIDDEN:
-        return None
-    inputs = (hidden, norm.weight) if residual is None else (hidden, residual, norm.weight)
-    if not gemv_applies(packed.weight, *inputs):
+    if not _foldable(norm, packed, hidden, residual):
         return None
     if residual is None:  # the first layer: the embedding is the residual
         return gemv_rms_norm(hidden, packed.weight, norm.weight, norm.variance_epsilon, bias=packed.bias), hidden
@@ -120,11 +125,9 @@ def _attention_declines(attn: Attention, q, k, v, cos, sin, batch) -> str | None
       round q and k to one dtype, the only rounding the fused kernel has.
     """
     from ..attention.triton_backend import TritonAttention
-    from ..layers.attention import ApplyRotary
-    from .hub import _qk_norm_rope
-    from .qk_norm_rope import _fusable, output_dtypes
+    from .qk_norm_rope import output_dtypes
 
-    cache, rotary = batch.kv_cache, attn.rotary
+    cache = batch.kv_cache
     if not FUSE_ATTENTION:
         return "FUSE_ATTENTION is off"
     if pdl_enabled(q.device) and not FUSE_ATTENTION_WITH_PDL:
@@ -133,6 +136,28 @@ def _attention_declines(attn: Attention, q, k, v, cos, sin, batch) -> str | None
         return f"the {type(attn.backend).__name__} backend, not exactly the triton one"
     if cache is None or not batch.has_context or batch.max_seqlen_q != 1:
         return "not a pure decode step with a KV cache"
+    tables = (batch.seqlens_k, batch.block_table, batch.slot_mapping)
+    if any(x is None or x.shape[0] != k.shape[0] for x in tables) or batch.slot_mapping.dim() != 1:
+        return "no one length, block-table row and slot per query"
+    reason = _rotation_declines(attn, q, k, v, cos, sin, batch)
+    if reason is not None:
+        return reason
+    q_dtype, k_dtype = output_dtypes(q, k, cos, None if attn.q_norm is None else attn.q_norm.weight)
+    if q_dtype != k_dtype:
+        return f"q and k would round to {q_dtype} and {k_dtype}"
+    return None
+
+
+def _rotation_declines(attn: Attention, q, k, v, cos, sin, batch) -> str | None:
+    """Why a launch doing the rotary module's work on these heads would not compute what it does, or
+    None: the module runs the hub's qk_norm_rope kernel alone (q/k norms plain RMSNorms or absent),
+    no autograd, one even row of cos/sin per query, and with a cache qk_norm_rope would fuse its
+    store (``_fusable``: its casts are then store_kv's)."""
+    from ..layers.attention import ApplyRotary
+    from .hub import _qk_norm_rope
+    from .qk_norm_rope import _fusable, output_dtypes
+
+    rotary = attn.rotary
     if type(rotary) is not ApplyRotary or not _unhooked(rotary) or getattr(
             rotary.__dict__.get("forward"), "__func__", None) is not _qk_norm_rope:
         return "the rotary module does not run the hub's qk_norm_rope kernel alone"
@@ -142,17 +167,14 @@ def _attention_declines(attn: Attention, q, k, v, cos, sin, batch) -> str | None
     if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
         return "autograd is on"
     t, hkv, d = k.shape
-    tables = (batch.seqlens_k, batch.block_table, batch.slot_mapping)
-    if any(x is None or x.shape[0] != t for x in tables) or batch.slot_mapping.dim() != 1:
-        return "no one length, block-table row and slot per query"
     if cos.dim() != 2 or cos.shape != sin.shape or cos.shape[0] != t or cos.shape[1] > d or cos.shape[1] % 2:
         return f"cos/sin {tuple(cos.shape)} are not one even row per query"
-    q_dtype, k_dtype = output_dtypes(q, k, cos, None if attn.q_norm is None else attn.q_norm.weight)
-    if q_dtype != k_dtype:
-        return f"q and k would round to {q_dtype} and {k_dtype}"
-    store = (v, cache.k[attn.layer_idx], cache.v[attn.layer_idx], batch.slot_mapping)
-    if not _fusable(store, k_dtype, (t, hkv, d), q.device):
-        return "qk_norm_rope would not fuse this cache store"
+    cache = batch.kv_cache
+    if cache is not None:
+        k_dtype = output_dtypes(q, k, cos, None if attn.q_norm is None else attn.q_norm.weight)[1]
+        store = (v, cache.k[attn.layer_idx], cache.v[attn.layer_idx], batch.slot_mapping)
+        if batch.slot_mapping is None or not _fusable(store, k_dtype, (t, hkv, d), q.device):
+            return "qk_norm_rope would not fuse this cache store"
     return None
 
 
@@ -173,6 +195,34 @@ def _attention_past_projections(attn: Attention, qkv: torch.Tensor, cos, sin, ba
                              batch.slot_mapping, batch.max_seqlen_k, attn.scaling, cos, sin, *norms,
                              window=attn.sliding_window)
     return attn.o_proj(out.reshape(t, -1))  # Attention.attend, past the attention
+
+
+def _attention_with_heads_fold(attn: Attention, norm: RMSNorm, packed: PackedLinear | None, hidden, residual, cos,
+                               sin, batch):
+    """``(attention output, hidden + residual)`` with the input norm, the packed q/k/v GEMV and
+    qk_norm_rope's per-head work (and cache store) in one launch (``gemv_heads.py``, switched by its
+    ``HEAD_EPILOGUE``), or None where that would not compute what the unfolded layer does (the fold's
+    conditions, and ``_rotation_declines``) or the kernel cannot take it (``heads_declines``)."""
+    from . import gemv_heads
+
+    if not gemv_heads.HEAD_EPILOGUE or not _foldable(norm, packed, hidden, residual):
+        return None
+    t, d, i = hidden.shape[0], attn.head_dim, attn.layer_idx
+    y = torch.empty(t, packed.weight.shape[0], device=hidden.device, dtype=hidden.dtype)  # the packed output
+    q, k, v = (part.view(t, -1, d) for part in y.split(packed.sizes, dim=-1))
+    cache = batch.kv_cache
+    heads = gemv_heads.Heads(q.shape[1], k.shape[1], d, cos, sin,
+                             cache=None if cache is None else (cache.k[i], cache.v[i], batch.slot_mapping))
+    if attn.q_norm is not None:
+        heads = heads._replace(q_weight=attn.q_norm.weight, k_weight=attn.k_norm.weight,
+                               q_eps=float(attn.q_norm.variance_epsilon), k_eps=float(attn.k_norm.variance_epsilon))
+    if (_rotation_declines(attn, q, k, v, cos, sin, batch) or gemv_heads.heads_declines(hidden, packed.weight, heads)
+            or v.stride(-1) != 1):
+        return None
+    q, k, v, summed = gemv_heads.gemv_heads(hidden, packed.weight, heads, packed.bias,
+                                            (norm.weight, norm.variance_epsilon, residual), out=y)
+    out = attn.backend(q, k, v, batch, i, attn.scaling, attn.sliding_window, kv_stored=cache is not None)
+    return attn.o_proj(out.reshape(t, -1)), hidden if residual is None else summed  # Attention.attend's end
 
 
 def _mlp_past_projections(mlp: GatedMLP, gate_up: torch.Tensor) -> torch.Tensor:
@@ -209,8 +259,12 @@ def fused_norm_decode_forward(self, hidden, residual, cos, sin, batch):
     if prenormed is not None:  # the previous layer's down projection normed this input
         gamma_h, shares = prenormed
         return quant_post_norm_forward(self, gamma_h, hidden, cos, sin, batch, shares)
-    folded = _fold(self.input_layernorm, _qkv_packed(attn), hidden, residual)
-    if folded is not None:
+    packed = _qkv_packed(attn)
+    attended = _attention_with_heads_fold(attn, self.input_layernorm, packed, hidden, residual, cos, sin, batch)
+    folded = None if attended is not None else _fold(self.input_layernorm, packed, hidden, residual)
+    if attended is not None:
+        hidden, residual = attended
+    elif folded is not None:
         qkv, residual = folded
         hidden = _attention_past_projections(attn, qkv, cos, sin, batch)
     else:

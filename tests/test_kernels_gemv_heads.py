@@ -1,0 +1,181 @@
+"""The packed q/k/v GEMV that finishes its own heads (kernels/gemv_heads.py): q, k, v, the residual sum
+and both caches bit for bit those of the two launches it replaces (the GEMV, with or without the
+folded RMSNorm, then qk_norm_rope with its fused cache store), whichever program of a head arrives
+last; counters back at zero after every launch; then the decode layer with it switched on gives the
+unfolded layer's logits, caches and greedy tokens."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # interpret the kernels on CPU; set before triton.jit reads it
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from cudaformers.attention.kv_cache import KVStore  # noqa: E402
+from cudaformers.kernels import gemv_heads as gh  # noqa: E402
+from cudaformers.kernels.arrivals import arrival_counters  # noqa: E402
+from cudaformers.kernels.gemv import gemv, gemv_rms_norm  # noqa: E402
+from cudaformers.kernels.qk_norm_rope import qk_norm_rope_forward  # noqa: E402
+
+from test_kernels_qk_norm_rope_store import _caches, _cos_sin, _guards  # noqa: E402
+
+# t, hq, hkv, d, rot, k: one to four tokens, GQA and MHA, partial rotary, head sizes whole programs of
+# the CPU tiling (16 rows for these widths) once, twice or more times over, odd K
+CASES = [(1, 4, 2, 32, 32, 48), (3, 2, 1, 16, 16, 40), (2, 3, 3, 64, 32, 33), (4, 6, 2, 32, 24, 64)]
+
+
+def _inputs(t, hq, hkv, d, rot, k, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    n = (hq + 2 * hkv) * d
+    x, residual = (torch.randn(t, k, generator=g).to(dtype) for _ in range(2))
+    weight = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
+    bias = torch.randn(n, generator=g).to(dtype)
+    norm_w = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype)
+    qw, kw = ((1 + 0.1 * torch.randn(d, generator=g)).to(dtype) for _ in range(2))
+    cos, sin = _cos_sin(t, rot, dtype)
+    return g, x, residual, weight, bias, norm_w, qw, kw, cos, sin
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["norm+residual", "norm", "plain"])
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_equals_the_gemv_then_qk_norm_rope_with_its_store(case, dtype, mode, qk_norm):
+    t, hq, hkv, d, rot, k = case
+    g, x, residual, weight, bias, norm_w, qw, kw, cos, sin = _inputs(*case, dtype)
+    # Caches of the outputs' dtype: the interpreter rounds fp32 -> bf16 otherwise than torch.
+    start, *caches = (_caches(3, 2, hkv, d, dtype, torch.Generator().manual_seed(7)) for _ in range(3))
+    slots = torch.tensor([4, 0, -1, 5][:t])  # a padding token (-1) writes nothing
+    norms = (qw, kw, 1e-6, 1e-5) if qk_norm else (None, None, 1e-6, 1e-6)
+    heads = gh.Heads(hq, hkv, d, cos, sin, *norms, cache=(*caches[0], slots))
+    norm = None if mode == "plain" else (norm_w, 1e-6, residual if mode == "norm+residual" else None)
+
+    q, k_out, v, summed = gh.gemv_heads(x, weight, heads, bias, norm)
+
+    if norm is None:
+        qkv, want_sum = gemv(x, weight, bias), None
+    elif mode == "norm":
+        qkv, want_sum = gemv_rms_norm(x, weight, norm_w, 1e-6, bias=bias), None
+    else:
+        qkv, want_sum = gemv_rms_norm(x, weight, norm_w, 1e-6, residual, bias)
+    wq, wk, wv = (p.view(t, -1, d) for p in qkv.split([hq * d, hkv * d, hkv * d], -1))
+    want_q, want_k = qk_norm_rope_forward(wq, wk, cos, sin, *norms, kv_store=KVStore(wv, *caches[1], slots))
+    assert torch.equal(q, want_q) and torch.equal(k_out, want_k) and torch.equal(v, wv)
+    assert (summed is None) == (want_sum is None) and (summed is None or torch.equal(summed, want_sum))
+    for got, want, before in zip(caches[0], caches[1], start):
+        assert torch.equal(got, want) and not torch.equal(got, before)
+    assert _guards(caches[0]) == _guards(start)  # slot -1 wrote nothing
+    assert int(arrival_counters(x.device, 64)[:64].abs().sum()) == 0  # every counter back at zero
+
+
+def test_without_a_cache_and_into_a_given_output():
+    t, hq, hkv, d, rot, k = CASES[0]
+    _, x, _, weight, _, _, qw, kw, cos, sin = _inputs(*CASES[0], torch.float32, seed=3)
+    out = torch.full((t, weight.shape[0]), float("nan"))
+    q, k_out, v, summed = gh.gemv_heads(x, weight, gh.Heads(hq, hkv, d, cos, sin, qw, kw), out=out)
+    qkv = gemv(x, weight)
+    assert torch.equal(out, qkv) and summed is None and v.data_ptr() == out[:, (hq + hkv) * d:].data_ptr()
+    wq, wk, _ = (p.view(t, -1, d) for p in qkv.split([hq * d, hkv * d, hkv * d], -1))
+    want = qk_norm_rope_forward(wq, wk, cos, sin, qw, kw)
+    assert torch.equal(q, want[0]) and torch.equal(k_out, want[1])
+
+
+def test_any_program_of_a_head_may_finish_it(monkeypatch):
+    """The interpreter runs programs in order, so a head's last program finishes it; on a GPU any may
+    arrive last. Run in reverse order, the head's first program arrives last and must still finish
+    the whole head from what the others stored."""
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    forward = builder.set_grid_idx
+    monkeypatch.setattr(builder, "set_grid_idx", lambda x, y, z: forward(builder.grid_dim[0] - 1 - x, y, z))
+    t, hq, hkv, d, rot, k = CASES[2]
+    _, x, _, weight, _, _, qw, kw, cos, sin = _inputs(*CASES[2], torch.float32, seed=5)
+    finished = []
+    real = gh._finish_head
+
+    def finishing(y_row, head, m, *args):  # which program finished which head
+        finished.append((int(head), int(m), interpreter.interpreter_builder.grid_idx[0]))
+        return real(y_row, head, m, *args)
+
+    monkeypatch.setattr(gh, "_finish_head", finishing)
+    q, k_out, _, _ = gh.gemv_heads(x, weight, gh.Heads(hq, hkv, d, cos, sin, qw, kw))
+    per_head = d // 16  # programs a head (16-row programs on the CPU tiling)
+    assert per_head > 1 and sorted(finished) == [(h, m, h * per_head) for h in range(hq + hkv) for m in range(t)]
+    qkv = gemv(x, weight)
+    wq, wk, _ = (p.view(t, -1, d) for p in qkv.split([hq * d, hkv * d, hkv * d], -1))
+    want = qk_norm_rope_forward(wq, wk, cos, sin, qw, kw)
+    assert torch.equal(q, want[0]) and torch.equal(k_out, want[1])
+
+
+def test_refuses_what_it_cannot_take():
+    t, hq, hkv, d, rot, k = CASES[0]
+    _, x, _, weight, _, _, qw, kw, cos, sin = _inputs(*CASES[0], torch.float32)
+    heads = gh.Heads(hq, hkv, d, cos, sin, qw, kw)
+    with pytest.raises(ValueError, match="packed q/k/v weight"):
+        gh.gemv_heads(x, weight[:-d], heads)
+    with pytest.raises(ValueError, match="even R"):
+        gh.gemv_heads(x, weight, heads._replace(cos=cos[:, :5], sin=sin[:, :5]))
+    with pytest.raises(ValueError, match="both"):
+        gh.gemv_heads(x, weight, heads._replace(k_weight=None))
+    with pytest.raises(ValueError, match="slot per token"):
+        cache = torch.zeros(2, 2, hkv, d)
+        gh.gemv_heads(x, weight, heads._replace(cache=(cache, cache.clone(), torch.tensor([0, 1]))))
+    # 8-row heads against the GEMV's 16-row programs: the caller runs the two launches instead
+    small, wide = gh.Heads(32, 16, 8, cos[:, :8], sin[:, :8]), torch.randn(512, k)
+    assert "not a whole number" in gh.heads_declines(x, wide, small)
+    with pytest.raises(ValueError, match="run the GEMV and qk_norm_rope apart"):
+        gh.gemv_heads(x, wide, small)
+
+
+# -- the decode layer: a tiny model with the fold's kernels mapped onto the CPU, interpreted --------------
+
+@pytest.fixture
+def head_calls(monkeypatch):
+    """Rows of each launch that finished its heads."""
+    calls = []
+    real = gh.gemv_heads
+
+    def counting(x, *args, **kwargs):
+        calls.append(x.shape[0])
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(gh, "gemv_heads", counting)
+    return calls
+
+
+# q/k norms and GQA at head_dim 32 (two programs a head), Llama-style biases at 16, on both backends
+@pytest.mark.parametrize("name,attn", [("qwen3", "triton"), ("qwen3", "sdpa"), ("llama_bias", "triton")])
+def test_decode_layer_gives_the_unfolded_logits_caches_and_tokens(name, attn, head_calls, monkeypatch):
+    from test_kernels_paged_decode_fused import _decode, _model
+
+    model = _model(name, attn)
+    monkeypatch.setattr(gh, "HEAD_EPILOGUE", False)
+    want = _decode(model, monkeypatch, fuse=False)
+    assert not head_calls
+    monkeypatch.setattr(gh, "HEAD_EPILOGUE", True)
+    got = _decode(model, monkeypatch, fuse=False)
+    # generate(): 4 decode steps of 2 rows; then 3 more over the paged cache (prefills are too many rows)
+    assert head_calls == [2] * 7 * len(model.model.layers)
+    assert torch.equal(got[0], want[0])
+    for a, b in zip(got[1] + got[2], want[1] + want[2]):  # logits of each step, then both caches
+        assert torch.equal(a, b)
+
+
+def test_decode_layer_keeps_the_two_launches_where_the_fold_would_differ(head_calls, monkeypatch):
+    from test_kernels_paged_decode_fused import _decode, _model
+
+    from cudaformers.kernels import fused_norm_decode
+
+    monkeypatch.setattr(gh, "HEAD_EPILOGUE", True)
+    model = _model("qwen3", "triton")
+    model.model.layers[0].self_attn.rotary.register_forward_hook(lambda *a: None)  # a hook it would bypass
+    reasons = []
+    real = fused_norm_decode._rotation_declines
+    monkeypatch.setattr(fused_norm_decode, "_rotation_declines", lambda *a: (lambda r: (reasons.append(r), r)[1])(
+        real(*a)))
+    _decode(model, monkeypatch, fuse=False, generate=False)
+    assert head_calls == [2] * 3 * (len(model.model.layers) - 1)  # every layer but the hooked one
+    assert "the rotary module does not run the hub's qk_norm_rope kernel alone" in reasons
