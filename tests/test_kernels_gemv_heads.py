@@ -164,6 +164,38 @@ def test_decode_layer_gives_the_unfolded_logits_caches_and_tokens(name, attn, he
         assert torch.equal(a, b)
 
 
+def test_wide_layers_finish_their_heads_without_the_folded_norm(head_calls, monkeypatch):
+    """Past FOLD_MAX_HIDDEN the input norm runs as its own launch and the q/k/v GEMV still finishes its
+    heads: the same logits, caches and tokens as the unfolded layer."""
+    import tiny
+    from test_kernels_paged_decode_fused import DECODE, _decode, _model
+
+    from cudaformers import AutoModelForCausalLM
+    from cudaformers.kernels import fused_norm_decode
+    from cudaformers.kernels.hub import KernelConfig
+
+    # The projection replaced alone: only where it runs the GEMV anyway (Linear mapped to it).
+    mapping = {**DECODE, "Linear": {"cpu": {"inference": "cudaformers:gemv", "training": ""}}}
+    model = AutoModelForCausalLM.from_pretrained(tiny.checkpoint("qwen3"), kernel_config=KernelConfig(mapping),
+                                                 attn_implementation="triton").eval()
+    monkeypatch.setattr(fused_norm_decode, "FOLD_MAX_HIDDEN", model.config.hidden_size - 1)
+    monkeypatch.setattr(gh, "HEAD_EPILOGUE", False)
+    want = _decode(model, monkeypatch, fuse=False)
+    monkeypatch.setattr(gh, "HEAD_EPILOGUE", True)
+    folds = []
+    real = fused_norm_decode.gemv_rms_norm
+    monkeypatch.setattr(fused_norm_decode, "gemv_rms_norm", lambda *a, **k: (folds.append(1), real(*a, **k))[1])
+    got = _decode(model, monkeypatch, fuse=False)
+    assert head_calls == [2] * 7 * len(model.model.layers) and not folds
+    assert torch.equal(got[0], want[0])
+    for a, b in zip(got[1] + got[2], want[1] + want[2]):
+        assert torch.equal(a, b)
+    # Left on PyTorch's matmul, the projection stays apart (the GEMV would round otherwise)
+    head_calls.clear()
+    _decode(_model("qwen3", "triton"), monkeypatch, fuse=False, generate=False)
+    assert not head_calls
+
+
 def test_decode_layer_keeps_the_two_launches_where_the_fold_would_differ(head_calls, monkeypatch):
     from test_kernels_paged_decode_fused import _decode, _model
 

@@ -29,6 +29,11 @@ qk_norm_rope, while the fused prologue's loads, norm and rotary all wait for the
 critical path. So it applies where PDL is off (``FUSE_ATTENTION_WITH_PDL`` overrides that), and
 ``FUSE_ATTENTION = False`` turns it off entirely (bench/generate.py's ``+nofuseattn``).
 
+With ``gemv_heads.HEAD_EPILOGUE`` the q/k/v GEMV (folded or, past ``FOLD_MAX_HIDDEN``, after the norm's
+own launch) also finishes its heads: qk_norm_rope's per-head norm, rotary and cache store done by the
+last program of each head to arrive, bit for bit, so the attention backend gets the rotated q and k
+straight from it and qk_norm_rope's launch goes too (``_attention_with_heads``).
+
 At 5-32 rows the norms stay separate launches. Folded into the skinny GEMMs (each program summing
 the squares of whole rows first, then normalising every x tile it loads), W3 on an H200 fell from
 24,409 / 24,443 to 19,167 / 19,178 tok/s: the normalised tiles no longer stream straight into the
@@ -90,6 +95,13 @@ def _foldable(norm: RMSNorm, packed: PackedLinear | None, hidden, residual) -> b
         return False
     inputs = (hidden, norm.weight) if residual is None else (hidden, residual, norm.weight)
     return gemv_applies(packed.weight, *inputs)
+
+
+def _runs_gemv(packed: PackedLinear) -> bool:
+    """Whether the packed projection runs the hub's decode matmul (the GEMV at 1-4 rows)."""
+    from .hub import _linear
+
+    return getattr(packed.__dict__.get("forward"), "__func__", None) is _linear
 
 
 def _fold(norm: RMSNorm, packed: PackedLinear | None, hidden, residual):
@@ -197,16 +209,22 @@ def _attention_past_projections(attn: Attention, qkv: torch.Tensor, cos, sin, ba
     return attn.o_proj(out.reshape(t, -1))  # Attention.attend, past the attention
 
 
-def _attention_with_heads_fold(attn: Attention, norm: RMSNorm, packed: PackedLinear | None, hidden, residual, cos,
-                               sin, batch):
-    """``(attention output, hidden + residual)`` with the input norm, the packed q/k/v GEMV and
-    qk_norm_rope's per-head work (and cache store) in one launch (``gemv_heads.py``, switched by its
-    ``HEAD_EPILOGUE``), or None where that would not compute what the unfolded layer does (the fold's
-    conditions, and ``_rotation_declines``) or the kernel cannot take it (``heads_declines``)."""
+def _attention_with_heads(attn: Attention, packed: PackedLinear | None, hidden, cos, sin, batch,
+                          norm: RMSNorm | None = None, residual=None):
+    """``Attention.forward`` on ``hidden`` with the packed q/k/v GEMV and qk_norm_rope's per-head work
+    (and cache store) in one launch (``gemv_heads.py``, switched by its ``HEAD_EPILOGUE``); with
+    ``norm``, of ``norm(hidden + residual)``, the norm folded in as well, returning ``(attention
+    output, hidden + residual)``. None where that would not compute what the unfolded layer does (the
+    fold's conditions, ``_rotation_declines``) or the kernel cannot take it (``heads_declines``)."""
     from . import gemv_heads
 
-    if not gemv_heads.HEAD_EPILOGUE or not _foldable(norm, packed, hidden, residual):
+    if not gemv_heads.HEAD_EPILOGUE or packed is None or torch.is_autocast_enabled(hidden.device.type):
         return None
+    if norm is not None:
+        if not _foldable(norm, packed, hidden, residual):
+            return None
+    elif not (_runs_gemv(packed) and gemv_applies(packed.weight, hidden)):
+        return None  # without the norm it replaces only the projection: only where that is the GEMV already
     t, d, i = hidden.shape[0], attn.head_dim, attn.layer_idx
     y = torch.empty(t, packed.weight.shape[0], device=hidden.device, dtype=hidden.dtype)  # the packed output
     q, k, v = (part.view(t, -1, d) for part in y.split(packed.sizes, dim=-1))
@@ -219,10 +237,13 @@ def _attention_with_heads_fold(attn: Attention, norm: RMSNorm, packed: PackedLin
     if (_rotation_declines(attn, q, k, v, cos, sin, batch) or gemv_heads.heads_declines(hidden, packed.weight, heads)
             or v.stride(-1) != 1):
         return None
-    q, k, v, summed = gemv_heads.gemv_heads(hidden, packed.weight, heads, packed.bias,
-                                            (norm.weight, norm.variance_epsilon, residual), out=y)
+    folded = None if norm is None else (norm.weight, norm.variance_epsilon, residual)
+    q, k, v, summed = gemv_heads.gemv_heads(hidden, packed.weight, heads, packed.bias, folded, out=y)
     out = attn.backend(q, k, v, batch, i, attn.scaling, attn.sliding_window, kv_stored=cache is not None)
-    return attn.o_proj(out.reshape(t, -1)), hidden if residual is None else summed  # Attention.attend's end
+    out = attn.o_proj(out.reshape(t, -1))  # Attention.attend's end
+    if norm is None:
+        return out
+    return out, hidden if residual is None else summed
 
 
 def _mlp_past_projections(mlp: GatedMLP, gate_up: torch.Tensor) -> torch.Tensor:
@@ -260,7 +281,7 @@ def fused_norm_decode_forward(self, hidden, residual, cos, sin, batch):
         gamma_h, shares = prenormed
         return quant_post_norm_forward(self, gamma_h, hidden, cos, sin, batch, shares)
     packed = _qkv_packed(attn)
-    attended = _attention_with_heads_fold(attn, self.input_layernorm, packed, hidden, residual, cos, sin, batch)
+    attended = _attention_with_heads(attn, packed, hidden, cos, sin, batch, self.input_layernorm, residual)
     folded = None if attended is not None else _fold(self.input_layernorm, packed, hidden, residual)
     if attended is not None:
         hidden, residual = attended
@@ -276,7 +297,8 @@ def fused_norm_decode_forward(self, hidden, residual, cos, sin, batch):
         quantized = quant_post_norm_forward(self, hidden, residual, cos, sin, batch)
         if quantized is not None:  # a quantized layer's post-attention norm inside its GEMVs
             return quantized
-        hidden = attn(hidden, cos, sin, batch)
+        attended = _attention_with_heads(attn, packed, hidden, cos, sin, batch)  # too wide to fold the norm
+        hidden = attended if attended is not None else attn(hidden, cos, sin, batch)
 
     # The exact class is DecoderLayer (the hub's predicate), so feed_forward is the MLP itself.
     folded = _fold(self.post_attention_layernorm, _gate_up_packed(mlp), hidden, residual)
