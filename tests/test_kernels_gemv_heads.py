@@ -199,15 +199,134 @@ def test_wide_layers_finish_their_heads_without_the_folded_norm(head_calls, monk
 def test_decode_layer_keeps_the_two_launches_where_the_fold_would_differ(head_calls, monkeypatch):
     from test_kernels_paged_decode_fused import _decode, _model
 
-    from cudaformers.kernels import fused_norm_decode
+    from cudaformers.kernels import heads_fold
 
     monkeypatch.setattr(gh, "HEAD_EPILOGUE", True)
     model = _model("qwen3", "triton")
     model.model.layers[0].self_attn.rotary.register_forward_hook(lambda *a: None)  # a hook it would bypass
     reasons = []
-    real = fused_norm_decode._rotation_declines
-    monkeypatch.setattr(fused_norm_decode, "_rotation_declines", lambda *a: (lambda r: (reasons.append(r), r)[1])(
+    real = heads_fold.rotation_declines
+    monkeypatch.setattr(heads_fold, "rotation_declines", lambda *a: (lambda r: (reasons.append(r), r)[1])(
         real(*a)))
     _decode(model, monkeypatch, fuse=False, generate=False)
     assert head_calls == [2] * 3 * (len(model.model.layers) - 1)  # every layer but the hooked one
     assert "the rotary module does not run the hub's qk_norm_rope kernel alone" in reasons
+
+
+# -- the quantized fragment GEMV finishing its heads (kernels/quant_gemv_heads.py), its PTX emulated -------
+
+@pytest.fixture
+def fragment_on_cpu(monkeypatch):
+    from ptx_exec import emulate_inline_asm
+
+    from cudaformers.kernels import quant_gemv_mma as fragment
+
+    emulate_inline_asm(monkeypatch)
+    monkeypatch.setattr(fragment, "supports", lambda x, w: x.dtype == torch.bfloat16 and x.dim() == 2
+                        and x.shape[0] == 1)
+    return fragment
+
+
+# (format, heads, head_dim, k, plan): 1-2 programs a head (16- and 32-row programs), GQA and MHA
+QUANT_CASES = [("int8", 2, 1, 32, 128, (2, 1, 2)), ("int4_asym", 2, 1, 32, 256, (2, 2, 1)),
+               ("int4_sym", 1, 1, 64, 256, (1, 2, 3)), ("int8", 3, 3, 16, 192, (4, 1, 1))]
+
+
+@pytest.mark.parametrize("fmt,hq,hkv,d,k,plan", QUANT_CASES, ids=str)
+@pytest.mark.parametrize("rms", [False, True])
+def test_quantized_equals_the_fragment_gemv_then_qk_norm_rope(fragment_on_cpu, fmt, hq, hkv, d, k, plan, rms):
+    from test_kernels_quant_gemv_mma import _weights
+
+    from cudaformers.kernels.quant_gemv_heads import quant_gemv_mma_heads
+
+    fragment = fragment_on_cpu
+    n = (hq + 2 * hkv) * d
+    w, x, bias = _weights(fmt, n, k, seed=n + k)
+    g = torch.Generator().manual_seed(k)
+    qw, kw = ((1 + 0.1 * torch.randn(d, generator=g)).bfloat16() for _ in range(2))
+    cos, sin = _cos_sin(1, d, torch.bfloat16)
+    shares = (torch.rand(3, generator=g) * k, 1e-6) if rms else None
+    start, *caches = (_caches(3, 2, hkv, d, torch.bfloat16, torch.Generator().manual_seed(7)) for _ in range(3))
+    slots = torch.tensor([3])
+    heads = gh.Heads(hq, hkv, d, cos, sin, qw, kw, 1e-6, 1e-5, (*caches[0], slots))
+
+    q, k_out, v = quant_gemv_mma_heads(x, w, heads, bias, shares, plan)
+
+    qkv = fragment._launch(x, w, bias, plan, None, shares)
+    wq, wk, wv = (p.view(1, -1, d) for p in qkv.split([hq * d, hkv * d, hkv * d], -1))
+    want_q, want_k = qk_norm_rope_forward(wq, wk, cos, sin, qw, kw, 1e-6, 1e-5, KVStore(wv, *caches[1], slots))
+    assert torch.equal(q, want_q) and torch.equal(k_out, want_k) and torch.equal(v, wv)
+    for got, want, before in zip(caches[0], caches[1], start):
+        assert torch.equal(got, want) and not torch.equal(got, before)
+    assert int(arrival_counters(x.device, 64)[:64].abs().sum()) == 0
+
+
+def test_quantized_refuses_heads_across_programs(fragment_on_cpu):
+    from test_kernels_quant_gemv_mma import _weights
+
+    from cudaformers.kernels.quant_gemv_heads import quant_gemv_mma_heads, quant_heads_declines
+
+    w, x, _ = _weights("int8", 64, 128, seed=1)
+    cos, sin = _cos_sin(1, 16, torch.bfloat16)
+    heads = gh.Heads(2, 1, 16, cos, sin)  # 16-row heads in 32-row programs
+    assert "not a whole number" in quant_heads_declines(x, w, heads, (2, 2, 1))
+    with pytest.raises(ValueError, match="run the GEMV and qk_norm_rope apart"):
+        quant_gemv_mma_heads(x, w, heads, plan=(2, 2, 1))
+    with pytest.raises(ValueError, match="packed q/k/v weight"):
+        quant_gemv_mma_heads(x, w, heads._replace(n_q_heads=3), plan=(2, 1, 1))
+
+
+@pytest.fixture
+def quant_model(fragment_on_cpu, monkeypatch):
+    """A tiny int8 Qwen3 in bf16 with the decode kernels mapped onto the CPU, whose one-row quantized
+    matmuls run the emulated fragment GEMV (as on a GPU) instead of the reference, in 2-warp programs:
+    with and without the head epilogue the same arithmetic, so the same bits."""
+    import tiny
+
+    from cudaformers import AutoModelForCausalLM, Int8Config
+    from cudaformers.kernels.hub import KernelConfig
+    from cudaformers.quant import linear as quant_linear
+
+    fragment = fragment_on_cpu
+    plan = (2, 1, 2)
+    monkeypatch.setattr(fragment, "default_plan", lambda n, fmt, device: plan)
+    reference = quant_linear.quant_matmul_reference
+
+    def like_the_gpu(x, w, bias=None):
+        if fragment.supports(x, w) and w.out_features % 16 == 0:
+            return fragment._launch(x, w, bias, plan)
+        return reference(x, w, bias)
+
+    monkeypatch.setattr(quant_linear, "quant_matmul_reference", like_the_gpu)
+    mapping = {layer: {"cpu": {"inference": name, "training": ""}} for layer, name in (
+        ("DecoderLayer", "cudaformers:fused_norm_decode"), ("GatedMLP", "cudaformers:fused_mlp_decode"),
+        ("SiluAndMul", "cudaformers:act_and_mul"), ("RMSNorm", "cudaformers:rms_norm"),
+        ("rotary_pos_emb", "cudaformers:qk_norm_rope"))}
+    return AutoModelForCausalLM.from_pretrained(tiny.checkpoint("qwen3"), dtype=torch.bfloat16,
+                                                kernel_config=KernelConfig(mapping),
+                                                quantization_config=Int8Config()).eval()
+
+
+@pytest.mark.parametrize("norm_fold", [False, True])
+def test_quantized_decode_layer_finishes_its_heads_with_the_same_tokens(quant_model, norm_fold, monkeypatch):
+    """generate(): each one-token step's q/k/v fragment GEMVs finish their heads (and write the cache the
+    next steps read), with the norm fold of quant_norm_fold.py or without; the tokens of the two launches."""
+    from cudaformers.kernels import quant_gemv_heads, quant_norm_fold
+
+    calls = []
+    real = quant_gemv_heads.quant_gemv_mma_heads
+    monkeypatch.setattr(quant_gemv_heads, "quant_gemv_mma_heads", lambda *a, **k: (calls.append(k.get("out")),
+                                                                                     real(*a, **k))[1])
+    monkeypatch.setattr(quant_norm_fold, "NORM_FOLD", norm_fold)
+    ids = torch.randint(3, 211, (1, 5), generator=torch.Generator().manual_seed(6))
+    finals = []  # each step's final hidden states, the lm_head's input
+    quant_model.lm_head.register_forward_pre_hook(lambda mod, args: finals.append(args[0].clone()))
+    monkeypatch.setattr(gh, "HEAD_EPILOGUE", False)
+    want = quant_model.generate(ids, max_new_tokens=4, do_sample=False, eos_token_id=None)
+    assert not calls
+    monkeypatch.setattr(gh, "HEAD_EPILOGUE", True)
+    got = quant_model.generate(ids, max_new_tokens=4, do_sample=False, eos_token_id=None)
+    assert len(calls) == 3 * len(quant_model.model.layers)  # steps 2-4: the first token is the prompt's
+    assert torch.equal(got, want)
+    steps = len(finals) // 2
+    assert steps == 4 and all(torch.equal(a, b) for a, b in zip(finals[:steps], finals[steps:]))

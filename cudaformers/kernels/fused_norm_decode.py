@@ -32,7 +32,7 @@ critical path. So it applies where PDL is off (``FUSE_ATTENTION_WITH_PDL`` overr
 With ``gemv_heads.HEAD_EPILOGUE`` the q/k/v GEMV (folded or, past ``FOLD_MAX_HIDDEN``, after the norm's
 own launch) also finishes its heads: qk_norm_rope's per-head norm, rotary and cache store done by the
 last program of each head to arrive, bit for bit, so the attention backend gets the rotated q and k
-straight from it and qk_norm_rope's launch goes too (``_attention_with_heads``).
+straight from it and qk_norm_rope's launch goes too (``heads_fold.py``).
 
 At 5-32 rows the norms stay separate launches. Folded into the skinny GEMMs (each program summing
 the squares of whole rows first, then normalising every x tile it loads), W3 on an H200 fell from
@@ -54,6 +54,7 @@ from ..layers.mlp import GatedMLP
 from ..layers.norm import RMSNorm
 from .fused_projections import PackedLinear
 from .gemv import gemv_applies, gemv_rms_norm
+from .heads_fold import attention_with_heads, quant_attention_heads, rotation_declines
 from .pdl import pdl_enabled
 from .quant_norm_fold import prenormed_input, quant_post_norm_forward
 
@@ -95,13 +96,6 @@ def _foldable(norm: RMSNorm, packed: PackedLinear | None, hidden, residual) -> b
         return False
     inputs = (hidden, norm.weight) if residual is None else (hidden, residual, norm.weight)
     return gemv_applies(packed.weight, *inputs)
-
-
-def _runs_gemv(packed: PackedLinear) -> bool:
-    """Whether the packed projection runs the hub's decode matmul (the GEMV at 1-4 rows)."""
-    from .hub import _linear
-
-    return getattr(packed.__dict__.get("forward"), "__func__", None) is _linear
 
 
 def _fold(norm: RMSNorm, packed: PackedLinear | None, hidden, residual):
@@ -151,42 +145,12 @@ def _attention_declines(attn: Attention, q, k, v, cos, sin, batch) -> str | None
     tables = (batch.seqlens_k, batch.block_table, batch.slot_mapping)
     if any(x is None or x.shape[0] != k.shape[0] for x in tables) or batch.slot_mapping.dim() != 1:
         return "no one length, block-table row and slot per query"
-    reason = _rotation_declines(attn, q, k, v, cos, sin, batch)
+    reason = rotation_declines(attn, q, k, v, cos, sin, batch)
     if reason is not None:
         return reason
     q_dtype, k_dtype = output_dtypes(q, k, cos, None if attn.q_norm is None else attn.q_norm.weight)
     if q_dtype != k_dtype:
         return f"q and k would round to {q_dtype} and {k_dtype}"
-    return None
-
-
-def _rotation_declines(attn: Attention, q, k, v, cos, sin, batch) -> str | None:
-    """Why a launch doing the rotary module's work on these heads would not compute what it does, or
-    None: the module runs the hub's qk_norm_rope kernel alone (q/k norms plain RMSNorms or absent),
-    no autograd, one even row of cos/sin per query, and with a cache qk_norm_rope would fuse its
-    store (``_fusable``: its casts are then store_kv's)."""
-    from ..layers.attention import ApplyRotary
-    from .hub import _qk_norm_rope
-    from .qk_norm_rope import _fusable, output_dtypes
-
-    rotary = attn.rotary
-    if type(rotary) is not ApplyRotary or not _unhooked(rotary) or getattr(
-            rotary.__dict__.get("forward"), "__func__", None) is not _qk_norm_rope:
-        return "the rotary module does not run the hub's qk_norm_rope kernel alone"
-    norms = (attn.q_norm, attn.k_norm)  # both absent, or both plain RMSNorms
-    if any(n is not None for n in norms) and not all(n is not None and _plain_norm(n) for n in norms):
-        return "the q/k norms are not both plain RMSNorms"
-    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
-        return "autograd is on"
-    t, hkv, d = k.shape
-    if cos.dim() != 2 or cos.shape != sin.shape or cos.shape[0] != t or cos.shape[1] > d or cos.shape[1] % 2:
-        return f"cos/sin {tuple(cos.shape)} are not one even row per query"
-    cache = batch.kv_cache
-    if cache is not None:
-        k_dtype = output_dtypes(q, k, cos, None if attn.q_norm is None else attn.q_norm.weight)[1]
-        store = (v, cache.k[attn.layer_idx], cache.v[attn.layer_idx], batch.slot_mapping)
-        if batch.slot_mapping is None or not _fusable(store, k_dtype, (t, hkv, d), q.device):
-            return "qk_norm_rope would not fuse this cache store"
     return None
 
 
@@ -207,43 +171,6 @@ def _attention_past_projections(attn: Attention, qkv: torch.Tensor, cos, sin, ba
                              batch.slot_mapping, batch.max_seqlen_k, attn.scaling, cos, sin, *norms,
                              window=attn.sliding_window)
     return attn.o_proj(out.reshape(t, -1))  # Attention.attend, past the attention
-
-
-def _attention_with_heads(attn: Attention, packed: PackedLinear | None, hidden, cos, sin, batch,
-                          norm: RMSNorm | None = None, residual=None):
-    """``Attention.forward`` on ``hidden`` with the packed q/k/v GEMV and qk_norm_rope's per-head work
-    (and cache store) in one launch (``gemv_heads.py``, switched by its ``HEAD_EPILOGUE``); with
-    ``norm``, of ``norm(hidden + residual)``, the norm folded in as well, returning ``(attention
-    output, hidden + residual)``. None where that would not compute what the unfolded layer does (the
-    fold's conditions, ``_rotation_declines``) or the kernel cannot take it (``heads_declines``)."""
-    from . import gemv_heads
-
-    if not gemv_heads.HEAD_EPILOGUE or packed is None or torch.is_autocast_enabled(hidden.device.type):
-        return None
-    if norm is not None:
-        if not _foldable(norm, packed, hidden, residual):
-            return None
-    elif not (_runs_gemv(packed) and gemv_applies(packed.weight, hidden)):
-        return None  # without the norm it replaces only the projection: only where that is the GEMV already
-    t, d, i = hidden.shape[0], attn.head_dim, attn.layer_idx
-    y = torch.empty(t, packed.weight.shape[0], device=hidden.device, dtype=hidden.dtype)  # the packed output
-    q, k, v = (part.view(t, -1, d) for part in y.split(packed.sizes, dim=-1))
-    cache = batch.kv_cache
-    heads = gemv_heads.Heads(q.shape[1], k.shape[1], d, cos, sin,
-                             cache=None if cache is None else (cache.k[i], cache.v[i], batch.slot_mapping))
-    if attn.q_norm is not None:
-        heads = heads._replace(q_weight=attn.q_norm.weight, k_weight=attn.k_norm.weight,
-                               q_eps=float(attn.q_norm.variance_epsilon), k_eps=float(attn.k_norm.variance_epsilon))
-    if (_rotation_declines(attn, q, k, v, cos, sin, batch) or gemv_heads.heads_declines(hidden, packed.weight, heads)
-            or v.stride(-1) != 1):
-        return None
-    folded = None if norm is None else (norm.weight, norm.variance_epsilon, residual)
-    q, k, v, summed = gemv_heads.gemv_heads(hidden, packed.weight, heads, packed.bias, folded, out=y)
-    out = attn.backend(q, k, v, batch, i, attn.scaling, attn.sliding_window, kv_stored=cache is not None)
-    out = attn.o_proj(out.reshape(t, -1))  # Attention.attend's end
-    if norm is None:
-        return out
-    return out, hidden if residual is None else summed
 
 
 def _mlp_past_projections(mlp: GatedMLP, gate_up: torch.Tensor) -> torch.Tensor:
@@ -281,7 +208,7 @@ def fused_norm_decode_forward(self, hidden, residual, cos, sin, batch):
         gamma_h, shares = prenormed
         return quant_post_norm_forward(self, gamma_h, hidden, cos, sin, batch, shares)
     packed = _qkv_packed(attn)
-    attended = _attention_with_heads(attn, packed, hidden, cos, sin, batch, self.input_layernorm, residual)
+    attended = attention_with_heads(attn, packed, hidden, cos, sin, batch, self.input_layernorm, residual)
     folded = None if attended is not None else _fold(self.input_layernorm, packed, hidden, residual)
     if attended is not None:
         hidden, residual = attended
@@ -297,7 +224,10 @@ def fused_norm_decode_forward(self, hidden, residual, cos, sin, batch):
         quantized = quant_post_norm_forward(self, hidden, residual, cos, sin, batch)
         if quantized is not None:  # a quantized layer's post-attention norm inside its GEMVs
             return quantized
-        attended = _attention_with_heads(attn, packed, hidden, cos, sin, batch)  # too wide to fold the norm
+        attended = attention_with_heads(attn, packed, hidden, cos, sin, batch)  # too wide to fold the norm
+        if attended is None:
+            rotated = quant_attention_heads(attn, hidden, cos, sin, batch)
+            attended = None if rotated is None else attn.o_proj(rotated)
         hidden = attended if attended is not None else attn(hidden, cos, sin, batch)
 
     # The exact class is DecoderLayer (the hub's predicate), so feed_forward is the MLP itself.

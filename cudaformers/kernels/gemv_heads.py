@@ -60,37 +60,64 @@ class Heads(NamedTuple):
 
 
 @triton.jit
-def _finish_head(y_row, head, m, qo_ptr, ko_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, kc_ptr, slot, stride_ct,
+def _finish_head(y_row, head, m, qo_ptr, ko_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot, stride_ct,
                  stride_st, n_q_heads, n_kv_heads, q_eps, k_eps, half, rot, HEAD_DIM: tl.constexpr,
                  BLOCK_D: tl.constexpr, HAS_NORM: tl.constexpr, STORE: tl.constexpr):
-    """qk_norm_rope's work on head ``head`` of token ``m`` (of q, or past ``n_q_heads`` of k), read
-    back from the packed output row ``y_row``."""
+    """qk_norm_rope's work on head ``head`` of token ``m`` of the packed output row ``y_row`` (a q head,
+    a k head past ``n_q_heads``, a v head past those), read back as the GEMV rounded it."""
     cols = tl.arange(0, BLOCK_D)[None, :]
     col_ok = cols < HEAD_DIM
-    partner, sign, rotated = rope_layout(cols, half, rot)
     at = y_row + head * HEAD_DIM
-    x = tl.load(at + cols, mask=col_ok, other=0.0).to(tl.float32)  # [1, BLOCK_D]
-    xp = tl.load(at + partner, mask=col_ok, other=0.0).to(tl.float32)
-    c, s = rope_rows(cos_ptr + m * stride_ct, sin_ptr + m * stride_st, cols, sign, rotated)
-    if head < n_q_heads:
-        w, wp = sign, sign  # not read without the norm
-        if HAS_NORM:
-            w = tl.load(qw_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-            wp = tl.load(qw_ptr + partner, mask=col_ok, other=0.0).to(tl.float32)
-        q = norm_rope(x, xp, w, wp, c, s, q_eps, HEAD_DIM, HAS_NORM)
-        tl.store(qo_ptr + (m * n_q_heads + head) * HEAD_DIM + cols, q.to(qo_ptr.dtype.element_ty), mask=col_ok)
-    else:
-        kv_head = head - n_q_heads
-        w, wp = sign, sign
-        if HAS_NORM:
-            w = tl.load(kw_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-            wp = tl.load(kw_ptr + partner, mask=col_ok, other=0.0).to(tl.float32)
-        k = norm_rope(x, xp, w, wp, c, s, k_eps, HEAD_DIM, HAS_NORM).to(ko_ptr.dtype.element_ty)
-        tl.store(ko_ptr + (m * n_kv_heads + kv_head) * HEAD_DIM + cols, k, mask=col_ok)
-        if STORE:  # the output's rounding, then the cache's cast (qk_norm_rope's fused store)
+    if head >= n_q_heads + n_kv_heads:  # v: into the cache as it is (qk_norm_rope's copy of v)
+        if STORE:
             if slot >= 0:
-                tl.store(kc_ptr + (slot * n_kv_heads + kv_head) * HEAD_DIM + cols, k.to(kc_ptr.dtype.element_ty),
+                v = tl.load(at + cols, mask=col_ok)
+                v_head = head - n_q_heads - n_kv_heads
+                tl.store(vc_ptr + (slot * n_kv_heads + v_head) * HEAD_DIM + cols, v.to(vc_ptr.dtype.element_ty),
                          mask=col_ok)
+    else:
+        partner, sign, rotated = rope_layout(cols, half, rot)
+        x = tl.load(at + cols, mask=col_ok, other=0.0).to(tl.float32)  # [1, BLOCK_D]
+        xp = tl.load(at + partner, mask=col_ok, other=0.0).to(tl.float32)
+        c, s = rope_rows(cos_ptr + m * stride_ct, sin_ptr + m * stride_st, cols, sign, rotated)
+        if head < n_q_heads:
+            w, wp = sign, sign  # not read without the norm
+            if HAS_NORM:
+                w = tl.load(qw_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+                wp = tl.load(qw_ptr + partner, mask=col_ok, other=0.0).to(tl.float32)
+            q = norm_rope(x, xp, w, wp, c, s, q_eps, HEAD_DIM, HAS_NORM)
+            tl.store(qo_ptr + (m * n_q_heads + head) * HEAD_DIM + cols, q.to(qo_ptr.dtype.element_ty), mask=col_ok)
+        else:
+            kv_head = head - n_q_heads
+            w, wp = sign, sign
+            if HAS_NORM:
+                w = tl.load(kw_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+                wp = tl.load(kw_ptr + partner, mask=col_ok, other=0.0).to(tl.float32)
+            k = norm_rope(x, xp, w, wp, c, s, k_eps, HEAD_DIM, HAS_NORM).to(ko_ptr.dtype.element_ty)
+            tl.store(ko_ptr + (m * n_kv_heads + kv_head) * HEAD_DIM + cols, k, mask=col_ok)
+            if STORE:  # the output's rounding, then the cache's cast (qk_norm_rope's fused store)
+                if slot >= 0:
+                    tl.store(kc_ptr + (slot * n_kv_heads + kv_head) * HEAD_DIM + cols,
+                             k.to(kc_ptr.dtype.element_ty), mask=col_ok)
+
+
+@triton.jit
+def arrive_and_finish(y_row, head, m, arrived_ptr, programs_a_head, qo_ptr, ko_ptr, qw_ptr, kw_ptr, cos_ptr,
+                      sin_ptr, kc_ptr, vc_ptr, slot, stride_ct, stride_st, n_q_heads, n_kv_heads, q_eps, k_eps, half,
+                      rot, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_NORM: tl.constexpr,
+                      STORE: tl.constexpr):
+    """Once this program has stored its rows of head ``head`` of token ``m``: count its arrival on the
+    head's counter; the last of the head's ``programs_a_head`` to arrive finishes the head and sets the
+    counter back to zero (``arrivals.py``)."""
+    # Every store of this program happens before its arrival is counted (barrier, then a release at
+    # GPU scope); the head's last arrival acquires them all before it reads the head back.
+    tl.debug_barrier()
+    counter = arrived_ptr + m * (n_q_heads + 2 * n_kv_heads) + head
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if arrived == programs_a_head - 1:
+        _finish_head(y_row, head, m, qo_ptr, ko_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot, stride_ct,
+                     stride_st, n_q_heads, n_kv_heads, q_eps, k_eps, half, rot, HEAD_DIM, BLOCK_D, HAS_NORM, STORE)
+        tl.store(counter, 0)  # ready for the next launch, which stream order puts after this one
 
 
 @triton.jit
@@ -103,7 +130,8 @@ def _gemv_heads_kernel(x_ptr, u_ptr, w_ptr, b_ptr, y_ptr, nw_ptr, s_ptr, N, K, e
     pid_n = tl.program_id(0)
     m = tl.program_id(1)
     y, rows, row_ok = gemv_rows(x_ptr, u_ptr, w_ptr, b_ptr, nw_ptr, s_ptr, N, K, eps, stride_xm, stride_um,
-                                stride_wn, pid_n, m, _PLAIN_INPUT, NORM, HAS_RESIDUAL, HAS_BIAS, BLOCK_N, BLOCK_K, USE_PDL)
+                                stride_wn, pid_n, m, _PLAIN_INPUT, NORM, HAS_RESIDUAL, HAS_BIAS, BLOCK_N, BLOCK_K,
+                                USE_PDL)
     y = y.to(y_ptr.dtype.element_ty)
     y_row = y_ptr + m.to(tl.int64) * stride_ym
     tl.store(y_row + rows, y, mask=row_ok)
@@ -112,22 +140,15 @@ def _gemv_heads_kernel(x_ptr, u_ptr, w_ptr, b_ptr, y_ptr, nw_ptr, s_ptr, N, K, e
         slot = tl.load(slot_ptr + m).to(tl.int64)
     qk_heads = n_q_heads + n_kv_heads
     head = pid_n * BLOCK_N // HEAD_DIM  # BLOCK_N divides HEAD_DIM: a program's rows lie in one head
-    if head >= qk_heads:  # v rows: into the cache as they are (qk_norm_rope's copy of v)
+    if head >= qk_heads:  # v rows need nothing from other programs: each writes its own into the cache
         if STORE:
             if slot >= 0:
                 tl.store(vc_ptr + slot * n_kv_heads * HEAD_DIM + (rows - qk_heads * HEAD_DIM),
                          y.to(vc_ptr.dtype.element_ty), mask=row_ok)
     else:
-        # Every store of this program happens before its arrival is counted (barrier, then a release at
-        # GPU scope); the head's last arrival acquires them all before it reads the head back.
-        tl.debug_barrier()
-        counter = arrived_ptr + m * qk_heads + head
-        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if arrived == HEAD_DIM // BLOCK_N - 1:
-            _finish_head(y_row, head, m, qo_ptr, ko_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, kc_ptr, slot, stride_ct,
-                         stride_st, n_q_heads, n_kv_heads, q_eps, k_eps, half, rot, HEAD_DIM, BLOCK_D, HAS_QK_NORM,
-                         STORE)
-            tl.store(counter, 0)  # ready for the next launch, which stream order puts after this one
+        arrive_and_finish(y_row, head, m, arrived_ptr, HEAD_DIM // BLOCK_N, qo_ptr, ko_ptr, qw_ptr, kw_ptr, cos_ptr,
+                          sin_ptr, kc_ptr, vc_ptr, slot, stride_ct, stride_st, n_q_heads, n_kv_heads, q_eps, k_eps,
+                          half, rot, HEAD_DIM, BLOCK_D, HAS_QK_NORM, STORE)
 
 
 def heads_declines(x: torch.Tensor, weight: torch.Tensor, heads: Heads) -> str | None:
@@ -139,13 +160,14 @@ def heads_declines(x: torch.Tensor, weight: torch.Tensor, heads: Heads) -> str |
     block_n = tiling(n, k, x.device)[0]
     if heads.head_dim % block_n:
         return f"head_dim {heads.head_dim} is not a whole number of the GEMV's {block_n}-row programs"
-    if arrival_counters(x.device, rows * (heads.n_q_heads + heads.n_kv_heads)) is None:
+    if arrival_counters(x.device, rows * (heads.n_q_heads + 2 * heads.n_kv_heads)) is None:
         return "no arrival counters (first needed inside a CUDA-graph capture)"
     return None
 
 
-def _check(x2: torch.Tensor, n: int, heads: Heads) -> None:
-    t, d = x2.shape[0], heads.head_dim
+def check_heads(t: int, n: int, heads: Heads) -> None:
+    """Raises unless ``heads`` describe a packed ``[T, n]`` q/k/v output (see ``Heads``)."""
+    d = heads.head_dim
     if n != (heads.n_q_heads + 2 * heads.n_kv_heads) * d:
         raise ValueError(f"gemv_heads: a packed q/k/v weight of ({heads.n_q_heads} + 2 x {heads.n_kv_heads}) heads "
                          f"of {d} rows, got {n} rows")
@@ -176,7 +198,7 @@ def gemv_heads(x: torch.Tensor, weight: torch.Tensor, heads: Heads, bias: torch.
 
     n = weight.shape[0]
     x2 = _rows(x)
-    _check(x2, n, heads)
+    check_heads(x2.shape[0], n, heads)
     reason = heads_declines(x2, weight, heads)
     if reason is not None:
         raise ValueError(f"gemv_heads: {reason}; run the GEMV and qk_norm_rope apart")
@@ -193,7 +215,7 @@ def gemv_heads(x: torch.Tensor, weight: torch.Tensor, heads: Heads, bias: torch.
     cos, sin = (c if c.stride(-1) == 1 else c.contiguous() for c in (heads.cos, heads.sin))
     has_norm = heads.q_weight is not None
     block_n, block_k, warps = tiling(n, x2.shape[1], x.device)
-    arrived = arrival_counters(x.device, t * (hq + hkv))
+    arrived = arrival_counters(x.device, t * (hq + 2 * hkv))
     pdl = pdl_enabled(x.device)
 
     def launch(x2, u2, norm):
@@ -219,4 +241,4 @@ def gemv_heads(x: torch.Tensor, weight: torch.Tensor, heads: Heads, bias: torch.
     return q_out, k_out, v, summed[1] if residual is not None else None
 
 
-__all__ = ["HEAD_EPILOGUE", "Heads", "gemv_heads", "heads_declines"]
+__all__ = ["HEAD_EPILOGUE", "Heads", "arrive_and_finish", "check_heads", "gemv_heads", "heads_declines"]

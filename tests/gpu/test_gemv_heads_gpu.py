@@ -133,6 +133,81 @@ def test_qwen3_06b_shaped_generate_graph_equals_eager_and_the_unfolded_path(norm
     folded.append(run(False))
     assert torch.equal(folded[0], folded[1])  # graph == eager
     monkeypatch.setattr(gemv_heads, "HEAD_EPILOGUE", False)
+    model.__dict__.pop("_decode_runners", None)  # the graphs captured with the switch on
     calls.clear()
     unfolded = run(True)
     assert not calls and torch.equal(folded[0], unfolded)
+
+
+# -- the quantized q/k/v fragment GEMV finishing its heads (kernels/quant_gemv_heads.py) ---------------------
+
+@pytest.mark.parametrize("method", ["int4", "int8"])
+@pytest.mark.parametrize("rms", [False, True])
+def test_quantized_matches_the_fragment_gemv_then_qk_norm_rope(method, rms):
+    """qwen3-8b's q/k/v (32 + 2 x 8 heads of 128, K 4096) at one row: v bit for bit the fragment GEMV's, q
+    and k within a rounding step of qk_norm_rope on it, the cache holding the k returned and v."""
+    from cudaformers.attention.kv_cache import KVStore, store_kv
+    from cudaformers.kernels.gemv_heads import Heads
+    from cudaformers.kernels.qk_norm_rope import qk_norm_rope_forward
+    from cudaformers.kernels.quant_gemv_heads import quant_gemv_mma_heads
+    from cudaformers.kernels.quant_gemv_mma import quant_gemv_mma
+    from cudaformers.quant.apply import quantize
+    from cudaformers import Int4Config, Int8Config
+
+    hq, hkv, k_in = 32, 8, 4096
+    g = torch.Generator(device=DEV).manual_seed(3)
+    linear = torch.nn.Linear(k_in, (hq + 2 * hkv) * D, bias=False, device=DEV, dtype=torch.bfloat16)
+    torch.nn.init.normal_(linear.weight, std=0.02, generator=g)
+    config = Int8Config() if method == "int8" else Int4Config(group_size=128)
+    w = quantize(torch.nn.Sequential(linear), config)[0].packed()
+    x = torch.randn(1, k_in, device=DEV, generator=g).bfloat16()
+    shares = (torch.rand(7, device=DEV, generator=g) * k_in, 1e-6) if rms else None
+    qw, kw = ((torch.rand(D, device=DEV, generator=g) + 0.5).bfloat16() for _ in range(2))
+    emb = 300 * torch.rand(1, D // 2, device=DEV, generator=g)
+    cos, sin = torch.cat([emb, emb], -1).cos().bfloat16(), torch.cat([emb, emb], -1).sin().bfloat16()
+    caches = [torch.randn(8, 16, hkv, D, device=DEV, generator=g).bfloat16() for _ in range(2)]
+    before = [c.clone() for c in caches]
+    slots = torch.tensor([37], device=DEV)
+    q, k, v = quant_gemv_mma_heads(x, w, Heads(hq, hkv, D, cos, sin, qw, kw, 1e-6, 1e-6, (*caches, slots)),
+                                   rms=shares)
+    qkv = quant_gemv_mma(x, w, rms=shares)
+    wq, wk, wv = (p.view(1, -1, D) for p in qkv.split([hq * D, hkv * D, hkv * D], -1))
+    want = [c.clone() for c in before]
+    want_q, want_k = qk_norm_rope_forward(wq, wk, cos, sin, qw, kw, 1e-6, 1e-6, KVStore(wv, *want, slots))
+    assert torch.equal(v, wv)
+    eps = torch.finfo(torch.bfloat16).eps
+    for a, b in zip((q, k), (want_q, want_k)):
+        torch.testing.assert_close(a, b, rtol=eps, atol=eps * b.abs().amax().item())
+    expected = [c.clone() for c in before]
+    store_kv(*expected, k, v, slots)
+    torch.cuda.synchronize()
+    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("norm_fold", [False, True])
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_decode_finishing_its_heads_graph_equals_eager(method, norm_fold, monkeypatch):
+    """A 2-layer 1024-wide qwen3 quantized: with the switch on every decode step's q/k/v fragment GEMV
+    finishes its heads (norm fold on or off), the graph gives the eager tokens, and a one-token
+    forward's logits are the two launches' up to a rounding step of q/k."""
+    from test_quant_gpu import _wide_model
+
+    from cudaformers.kernels import gemv_heads, quant_gemv_heads, quant_norm_fold
+
+    model = _wide_model(method)
+    monkeypatch.setattr(quant_norm_fold, "NORM_FOLD", norm_fold)
+    ids = torch.randint(3, 4000, (1, 9), generator=torch.Generator().manual_seed(0)).cuda()
+    kw = dict(max_new_tokens=24, do_sample=False, eos_token_id=None)
+    with torch.no_grad():
+        want = model(ids[:, :1]).logits
+    calls = []
+    real = quant_gemv_heads.quant_gemv_mma_heads
+    monkeypatch.setattr(quant_gemv_heads, "quant_gemv_mma_heads", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    monkeypatch.setattr(gemv_heads, "HEAD_EPILOGUE", True)
+    graph = model.generate(ids, **kw)
+    assert calls, "the head epilogue was not captured into the decode graph"
+    assert torch.equal(model.generate(ids, use_cuda_graph=False, **kw), graph)
+    with torch.no_grad():
+        got = model(ids[:, :1]).logits
+    torch.testing.assert_close(got, want, atol=0.02 * want.abs().max().item(), rtol=0.02)
