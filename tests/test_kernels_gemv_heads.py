@@ -330,3 +330,13 @@ def test_quantized_decode_layer_finishes_its_heads_with_the_same_tokens(quant_mo
     assert torch.equal(got, want)
     steps = len(finals) // 2
     assert steps == 4 and all(torch.equal(a, b) for a, b in zip(finals[:steps], finals[steps:]))
+
+
+def test_explain_says_what_the_decode_layer_does_as_switched(monkeypatch):
+    from test_kernels_paged_decode_fused import _model
+
+    model = _model("qwen3", "triton")
+    monkeypatch.setattr(gh, "HEAD_EPILOGUE", False)
+    assert "decode layer: norms folded" in model.explain() and "finishes its heads" not in model.explain()
+    monkeypatch.setattr(gh, "HEAD_EPILOGUE", True)  # switched after loading: explain() says so
+    assert "the q/k/v GEMV finishes its heads" in model.explain()

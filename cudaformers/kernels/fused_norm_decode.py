@@ -64,6 +64,23 @@ FUSE_ATTENTION = True
 FUSE_ATTENTION_WITH_PDL = False  # measured slower under PDL on an H200 (module docstring)
 
 
+def describe() -> str:
+    """What the "DecoderLayer" kernel does at 1-4 rows with the switches as they are now (``explain()``)."""
+    from . import gemv_heads, quant_gemv_mma, quant_norm_fold
+
+    parts = [f"norms folded into the packed q/k/v and gate/up GEMVs up to {FOLD_MAX_HIDDEN} features"]
+    if gemv_heads.HEAD_EPILOGUE:
+        parts.append("the q/k/v GEMV finishes its heads (q/k norm, rotary and KV-cache store: no qk_norm_rope launch)")
+    elif FUSE_ATTENTION:
+        parts.append("qk_norm_rope inside the triton paged decode" + (
+            "" if FUSE_ATTENTION_WITH_PDL else " where programmatic dependent launch is off"))
+    if quant_norm_fold.NORM_FOLD:
+        parts.append("int4/int8 layers at one row: the norms folded around the fragment GEMVs")
+    if quant_gemv_mma.GATED:
+        parts.append("int4/int8 gate/up at one row: act(gate) * up in the GEMV")
+    return "; ".join(parts)
+
+
 def _unhooked(module: nn.Module) -> bool:
     return not module._forward_hooks and not module._forward_pre_hooks
 

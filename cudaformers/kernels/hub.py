@@ -432,6 +432,12 @@ def follow_device(model) -> None:
 def _record(model, chosen: dict) -> None:
     parts = [f"{layer} -> {kernel or 'plain'} ({why}, {n}x)" for layer, (kernel, why, n) in chosen.items()]
     model._choices["kernels"] = "; ".join(parts) if parts else "no swappable layers"
+    if chosen.get("DecoderLayer", ("",))[0]:
+        from .fused_norm_decode import describe
+
+        model._choices["decode layer"] = describe  # read when explained: the switches may change
+    else:
+        model._choices.pop("decode layer", None)
     for layer, (kernel, why, _) in chosen.items():
         logger.info("kernels: %s -> %s (%s)", layer, kernel or "plain PyTorch", why)
 
@@ -449,6 +455,7 @@ def kernelize(model, kernel_config: KernelConfig | None = None, use_kernels: boo
         if _mode_hook in hooks:
             hooks.remove(_mode_hook)
         model._choices.pop("kernels", None)
+        model._choices.pop("decode layer", None)
         return model
     model._kernel_config = kernel_config
     if _mode_hook not in hooks:

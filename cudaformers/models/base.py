@@ -28,7 +28,7 @@ class PreTrainedModel(nn.Module):
         # A callable (hidden [N, H], lm_head weight, targets [N], num_items) -> loss that never builds
         # the full logits; installed from outside (kernels), None for the plain path.
         self.fused_loss = None
-        self._choices: dict[str, str] = {}
+        self._choices: dict[str, object] = {}  # name -> text, or a function giving it
 
     def _apply(self, fn, recurse=True):
         # .to() / .half() / .cuda() move every tensor on its own: packed projections are released
@@ -128,7 +128,8 @@ class PreTrainedModel(nn.Module):
         devices = sorted({str(p.device) for p in self.parameters()})
         lines = [f"{type(self).__name__} ({self.config.model_type}), {self.num_parameters() / 1e6:.1f}M parameters",
                  f"  dtype: {str(self.dtype).removeprefix('torch.')}; devices: {', '.join(devices)}"]
-        lines += [f"  {k}: {v}" for k, v in self._choices.items()]
+        # A value may be a function: what it describes can change after loading (module switches).
+        lines += [f"  {k}: {v() if callable(v) else v}" for k, v in self._choices.items()]
         return "\n".join(lines)
 
     # -- forward ----------------------------------------------------------------------------------
