@@ -340,3 +340,46 @@ def test_explain_says_what_the_decode_layer_does_as_switched(monkeypatch):
     assert "decode layer: norms folded" in model.explain() and "finishes its heads" not in model.explain()
     monkeypatch.setattr(gh, "HEAD_EPILOGUE", True)  # switched after loading: explain() says so
     assert "the q/k/v GEMV finishes its heads" in model.explain()
+
+
+_COMPILE_QUANT = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from cudaformers.kernels import quant_gemv_heads as qh
+types = dict(x_ptr="*i64", q_ptr="*i64", s_ptr="*bf16", z_ptr="*bf16", b_ptr="*bf16", y_ptr="*bf16", n_blocks="i32",
+             ld_q="i32", p_ptr="*fp32", n_shares="i32", n_in="i32", eps="fp32", qo_ptr="*bf16", ko_ptr="*bf16",
+             qw_ptr="*bf16", kw_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16", kc_ptr="*bf16", vc_ptr="*bf16",
+             slot_ptr="*i64", arrived_ptr="*i32", n_q_heads="i32", n_kv_heads="i32", q_eps="fp32", k_eps="fp32",
+             half="i32", rot="i32")
+names = [p.name for p in qh._heads_kernel.params]
+for fmt, tiles, depth, shares, norm, store in ((0, 1, 2, 0, True, True), (0, 2, 1, 256, True, True),
+                                              (1, 1, 3, 0, False, True), (1, 1, 2, 256, True, False)):
+    const = dict(FMT=fmt, WARPS=8, TILES=tiles, DEPTH=depth, HAS_ZEROS=fmt == 0, HAS_BIAS=False, EVEN=False,
+                 SHARES=shares, USE_PDL=True, HEAD_DIM=128, BLOCK_D=128, HAS_QK_NORM=norm, STORE=store)
+    sig = {n: "constexpr" if n in const else types[n] for n in names}
+    sig["s_ptr"] = "*fp32" if fmt else "*bf16"
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*")}
+    c = triton.compile(ASTSource(qh._heads_kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=8))
+    ptx = c.asm["ptx"]
+    print(ptx.count("mma.sync.aligned"), ptx.count("atom.global.gpu.acq_rel.add"),
+          ptx.count("griddepcontrol.wait"), len(c.asm["cubin"]))
+"""
+
+
+def test_the_quantized_kernel_builds_for_hopper():
+    """Compiled (not interpreted) for sm_90, as the GPU would: the fragment loop's mmas, one arrival, one wait."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", _COMPILE_QUANT], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()[-4:]
+    assert len(lines) == 4
+    for line in lines:
+        mmas, atomics, waits, cubin = map(int, line.split())
+        assert mmas > 0 and atomics == 1 and waits == 1 and cubin > 0, line
