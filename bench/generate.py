@@ -7,9 +7,8 @@ A variant is an attention backend, optionally with ``+kernels`` (use_kernels=Tru
 but the decode norms not folded into the GEMVs after them), ``+nomlp`` (kernels, but the gated MLP's
 activation left out of the down projection's GEMV), ``+torchinputs`` (the decode step's inputs as
 torch ops and the model's own rotary instead of one launch: ``generation.decode.STEP_INPUTS_KERNEL``)
-``+nofuseattn`` (decode attention as qk_norm_rope then the paged decode, two launches, instead of
-the one fused launch: ``kernels.fused_norm_decode.FUSE_ATTENTION``) and ``+heads`` (the folded q/k/v
-GEMV finishing its heads itself, qk_norm_rope's launch gone: ``kernels.gemv_heads.HEAD_EPILOGUE``).
+and ``+nofuseattn`` (decode attention as qk_norm_rope then the paged decode, two launches, instead of
+the one fused launch: ``kernels.fused_norm_decode.FUSE_ATTENTION``).
 """
 
 from __future__ import annotations
@@ -82,9 +81,6 @@ def run_ours(folder, batch, variant, check_eager) -> dict:
     decode.STEP_INPUTS_KERNEL = "torchinputs" not in flags
     fused_norm_decode.FUSE_ATTENTION = "nofuseattn" not in flags
     fused_norm_decode.FUSE_ATTENTION_WITH_PDL = "fuseattnpdl" in flags
-    from cudaformers.kernels import gemv_heads
-
-    gemv_heads.HEAD_EPILOGUE = "heads" in flags  # heads: the q/k/v GEMV finishes its heads (no qk_norm_rope launch)
     # skinnyN: 17-32-row skinny launches aim for N/100 programs per SM; splitA.T.S: busy paged-decode
     # grids split past A keys into pieces of >= T tiles with S stages
     from cudaformers.kernels import paged_decode, skinny_gemm

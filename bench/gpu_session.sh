@@ -136,20 +136,17 @@ for part in "${parts[@]}"; do
     unmasked-ab) run unmasked-bench 200 python3 bench/quant_gemv_mma.py --unmasked
                  run unmasked-decode 200 python3 bench/quant.py --parts decode --shapes qwen3-8b --methods \
                    bf16,int4,int4_unmasked,int8,int8_unmasked --json "$OUT/results.jsonl" ;;
-    quant-gated-tests) run quant-gated-tests 120 python3 -m pytest -q -rfE --tb=line -m gpu -p no:cacheprovider -n 8 \
+    quant-gated-tests) run quant-gated-tests 180 python3 -m pytest -q -rfE --tb=line -m gpu -p no:cacheprovider -n 8 \
                          tests/gpu/test_quant_gpu.py -k "gated or normed or folded or fragment_gemv_matches" ;;
     quant-gated-ab) run quant-folds 60 python3 bench/quant_gemv_mma.py --folds
-                    run quant-gated-ab 370 python3 bench/quant.py --parts decode --shapes qwen3-8b --methods \
-                      bf16,bf16_heads,int4,int4_gated_fold,int4_gated_fold_heads,int4_gated_fold_heads_lat,\
-int4_head_gated_fold_unmasked_heads,int8,int8_gated_fold_heads,int8_head_gated_fold_unmasked_heads,bf16 \
-                      --json "$OUT/results.jsonl" ;;
-    lat-ab) run lat-ab 320 python3 bench/generate.py --skip-hf --workloads W1 --check-eager --variants \
-              triton+kernels,triton+kernels+heads,triton+kernels+lat8.64.3,triton+kernels+heads+lat8.64.3,\
-triton+kernels+fuseattnpdl+lat8.64.3,triton+kernels+graphsteps4,triton+kernels+heads+graphsteps4,\
-triton+kernels+heads+lat8.64.3+graphsteps4,triton+kernels+lat8.128.2,triton+kernels+heads,triton+kernels \
+                    run quant-gated-ab 340 python3 bench/quant.py --parts decode --shapes qwen3-8b --methods \
+                      bf16,int4,int4_gated,int4_gated_fold,int4_gated_fold_lat,int4_head_gated_fold_unmasked,int8,\
+int8_gated_fold,int8_head_gated_fold_unmasked,bf16 --json "$OUT/results.jsonl" ;;
+    lat-ab) run lat-ab 300 python3 bench/generate.py --skip-hf --workloads W1 --check-eager --variants \
+              triton+kernels,triton+kernels+lat8.64.3,triton+kernels+fuseattnpdl+lat8.64.3,triton+kernels+lat4.64.3,\
+triton+kernels+fuseattnpdl,triton+kernels+lat8.128.2,triton+kernels+graphsteps4,triton+kernels+graphsteps8,\
+triton+kernels+lat8.64.3+graphsteps4,triton+kernels \
               --json "$OUT/results.jsonl" ;;
-    heads-tests) run heads-tests 200 python3 -m pytest -q -rfE --tb=line -m gpu -p no:cacheprovider -n 6 \
-                   tests/gpu/test_gemv_heads_gpu.py tests/gpu/test_core_gpu.py ;;
     w3-ab) run w3-ab 240 python3 bench/generate.py --skip-hf --workloads W3 --variants \
              triton+kernels,triton+kernels+skinny50,triton+kernels+skinny100,triton+kernels+split128.1.3,\
 triton+kernels+split128.1.2,triton+kernels+split256.2.4,triton+kernels --json "$OUT/results.jsonl" ;;

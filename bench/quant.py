@@ -226,7 +226,7 @@ def bench_mma(methods, bw, env, json_path, tilings=None, ms=(1, 16)) -> list[dic
     return rows
 
 
-SWITCHES = ("fma", "dot", "gated", "unmasked", "fold", "lat", "heads")
+SWITCHES = ("fma", "dot", "gated", "unmasked", "fold", "lat")
 
 
 def method_switches(method: str) -> tuple[str, set[str]]:
@@ -248,7 +248,6 @@ def bench_decode(shape, methods, bw, env, json_path) -> list[dict]:
     from cudaformers.kernels import quant_gemv_mma as fragment
     from cudaformers.kernels import quant_matmul as qm
     from cudaformers.kernels import paged_decode
-    from cudaformers.kernels import gemv_heads
     from cudaformers.kernels import quant_norm_fold as norm_fold
 
     for method in methods:
@@ -260,7 +259,6 @@ def bench_decode(shape, methods, bw, env, json_path) -> list[dict]:
             fragment.GATED = "gated" in switches  # gate/up's act-and-mul in the fragment GEMV
             fragment.UNMASKED_EVEN = "unmasked" in switches  # its loads without masks
             norm_fold.NORM_FOLD = "fold" in switches  # the norms inside the GEMVs around them
-            gemv_heads.HEAD_EPILOGUE = "heads" in switches  # q/k/v finishing their heads (no qk_norm_rope launch)
             # the batch-1 paged decode in 8 warps of 64-key tiles, 3 stages (bench/generate.py's lat8.64.3)
             paged_decode.LATENCY_WARPS, paged_decode.LATENCY_KEYS, paged_decode.LATENCY_STAGES = (
                 (8, 64, 3) if "lat" in switches else (4, 0, 2))

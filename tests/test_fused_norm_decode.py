@@ -172,3 +172,15 @@ def test_default_on_cuda_in_inference_only(capsys):
         resolve("DecoderLayer", "cuda", "training", KernelConfig({"DecoderLayer": "cudaformers:fused_norm_decode"}))
     assert main(["kernels", str(tiny.checkpoint("qwen3")), "--device", "cuda"]) == 0
     assert "cudaformers:fused_norm_decode (default on cuda)" in capsys.readouterr().out
+
+
+def test_explain_says_what_the_decode_layer_does_as_switched(monkeypatch):
+    from cudaformers.kernels import quant_norm_fold
+
+    _, fused = _models("qwen3")
+    monkeypatch.setattr(quant_norm_fold, "NORM_FOLD", False)
+    assert "decode layer: norms folded" in fused.explain() and "around the fragment GEMVs" not in fused.explain()
+    monkeypatch.setattr(quant_norm_fold, "NORM_FOLD", True)  # switched after loading: explain() says so
+    assert "the norms folded around the fragment GEMVs" in fused.explain()
+    unfused, _ = _models("qwen3")
+    assert "decode layer" not in unfused.explain()

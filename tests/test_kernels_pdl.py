@@ -30,7 +30,6 @@ CASES = {
     "gemv_act_mul": ("weights", True),
     "gemv_rms_norm": ("weights", True),
     "gemv_rms_norm_k_loop": ("weights", True),
-    "gemv_heads": ("weights", True),
     "rms_norm": ("weights", False),
     "rms_norm_residual": ("weights", False),
     "qk_norm_rope": ("weights", False),
@@ -48,8 +47,7 @@ PLAIN = ("act_and_mul_pdl_off", "act_and_mul_backward")
 def _cases():
     """name -> (module, kernel attribute, call that launches it with bf16 weights, fp32 activations)."""
     from cudaformers.attention.kv_cache import KVStore
-    from cudaformers.kernels import (activation, gemv, gemv_heads, kv_store, paged_decode, paged_decode_fused,
-                                     qk_norm_rope, rms_norm)
+    from cudaformers.kernels import activation, gemv, kv_store, paged_decode, paged_decode_fused, qk_norm_rope, rms_norm
 
     bf, f32 = torch.bfloat16, torch.float32
     x, w = torch.randn(1, 96, dtype=f32), torch.randn(40, 96, dtype=bf)
@@ -71,10 +69,6 @@ def _cases():
         "gemv_rms_norm_k_loop": (gemv, "_gemv_kernel", lambda: gemv._launch(
             big_k[0], big_k[0].clone(), big_k[1], None, gemv._NO_ACT,
             norm=(big_k[1][0], 1e-6, torch.empty_like(big_k[0])))),
-        # The q/k/v GEMV finishing its heads: the arrival, read-back and cache stores all after the wait.
-        "gemv_heads": (gemv_heads, "_gemv_heads_kernel", lambda: gemv_heads.gemv_heads(
-            x.expand(2, 96), torch.randn(128, 96, dtype=bf), gemv_heads.Heads(
-                2, 1, 32, cos, sin, w[0, :32], w[1, :32], cache=(cache, cache.clone(), torch.tensor([3, 9]))))),
         "rms_norm": (rms_norm, "_rms_norm_fwd", lambda: rms_norm.rms_norm_forward(x, w[0], 1e-6, pdl=True)),
         "rms_norm_residual": (rms_norm, "_rms_norm_fwd",
                               lambda: rms_norm.rms_norm_forward(x, w[0], 1e-6, residual=x, pdl=True)),

@@ -29,16 +29,17 @@ qk_norm_rope, while the fused prologue's loads, norm and rotary all wait for the
 critical path. So it applies where PDL is off (``FUSE_ATTENTION_WITH_PDL`` overrides that), and
 ``FUSE_ATTENTION = False`` turns it off entirely (bench/generate.py's ``+nofuseattn``).
 
-With ``gemv_heads.HEAD_EPILOGUE`` the q/k/v GEMV (folded or, past ``FOLD_MAX_HIDDEN``, after the norm's
-own launch) also finishes its heads: qk_norm_rope's per-head norm, rotary and cache store done by the
-last program of each head to arrive, bit for bit, so the attention backend gets the rotated q and k
-straight from it and qk_norm_rope's launch goes too (``heads_fold.py``).
-
 At 5-32 rows the norms stay separate launches. Folded into the skinny GEMMs (each program summing
 the squares of whole rows first, then normalising every x tile it loads), W3 on an H200 fell from
 24,409 / 24,443 to 19,167 / 19,178 tok/s: the normalised tiles no longer stream straight into the
 tensor-core loop, which costs far more than the 2 x 28 norm launches (whose removal would be worth
 at most 24,287 -> 25,813, ``bench/ceilings.py``).
+At 1-4 rows the folded q/k/v GEMV finishing each head itself (the last of a head's programs to
+arrive, by an arrival counter, norming, rotating and storing it: qk_norm_rope's launch gone) was built
+and measured slower on an H200: W1 1,342-1,345 against 1,395-1,409 tok/s with qk_norm_rope's launch
+(bench/RESULTS.md run 15). The arrival, the read-back of the head and its arithmetic sit on the chain's
+critical path after the GEMV's last program, while qk_norm_rope's own launch overlaps the paged
+decode's early start. Removed.
 At 5-32 rows the q/k/v skinny GEMM finishing each head itself (qk_norm_rope's norm, rotary and cache
 store in its epilogue, one head per tile) was built and measured on an H200 at W3: 23,134 against
 24,671 tok/s, because one-head tiles cost the projection more than the launch saved; removed.
@@ -54,7 +55,6 @@ from ..layers.mlp import GatedMLP
 from ..layers.norm import RMSNorm
 from .fused_projections import PackedLinear
 from .gemv import gemv_applies, gemv_rms_norm
-from .heads_fold import attention_with_heads, quant_attention_heads, rotation_declines
 from .pdl import pdl_enabled
 from .quant_norm_fold import prenormed_input, quant_post_norm_forward
 
@@ -66,12 +66,10 @@ FUSE_ATTENTION_WITH_PDL = False  # measured slower under PDL on an H200 (module 
 
 def describe() -> str:
     """What the "DecoderLayer" kernel does at 1-4 rows with the switches as they are now (``explain()``)."""
-    from . import gemv_heads, quant_gemv_mma, quant_norm_fold
+    from . import quant_gemv_mma, quant_norm_fold
 
     parts = [f"norms folded into the packed q/k/v and gate/up GEMVs up to {FOLD_MAX_HIDDEN} features"]
-    if gemv_heads.HEAD_EPILOGUE:
-        parts.append("the q/k/v GEMV finishes its heads (q/k norm, rotary and KV-cache store: no qk_norm_rope launch)")
-    elif FUSE_ATTENTION:
+    if FUSE_ATTENTION:
         parts.append("qk_norm_rope inside the triton paged decode" + (
             "" if FUSE_ATTENTION_WITH_PDL else " where programmatic dependent launch is off"))
     if quant_norm_fold.NORM_FOLD:
@@ -105,20 +103,15 @@ def _packed(owner: nn.Module, name: str, linears) -> PackedLinear | None:
     return packed if all(_streams_plainly(m) for m in linears) else None
 
 
-def _foldable(norm: RMSNorm, packed: PackedLinear | None, hidden, residual) -> bool:
-    """Whether ``packed(norm(hidden + residual))`` as one launch would match the unfused path."""
-    if packed is None or not _plain_norm(norm) or torch.is_autocast_enabled(hidden.device.type):
-        return False
-    if hidden.shape[-1] > FOLD_MAX_HIDDEN:
-        return False
-    inputs = (hidden, norm.weight) if residual is None else (hidden, residual, norm.weight)
-    return gemv_applies(packed.weight, *inputs)
-
-
 def _fold(norm: RMSNorm, packed: PackedLinear | None, hidden, residual):
     """``(packed(norm(hidden + residual)), hidden + residual)`` in one launch, or None where it
     would not match the unfused path."""
-    if not _foldable(norm, packed, hidden, residual):
+    if packed is None or not _plain_norm(norm) or torch.is_autocast_enabled(hidden.device.type):
+        return None
+    if hidden.shape[-1] > FOLD_MAX_HIDDEN:
+        return None
+    inputs = (hidden, norm.weight) if residual is None else (hidden, residual, norm.weight)
+    if not gemv_applies(packed.weight, *inputs):
         return None
     if residual is None:  # the first layer: the embedding is the residual
         return gemv_rms_norm(hidden, packed.weight, norm.weight, norm.variance_epsilon, bias=packed.bias), hidden
@@ -148,9 +141,11 @@ def _attention_declines(attn: Attention, q, k, v, cos, sin, batch) -> str | None
       round q and k to one dtype, the only rounding the fused kernel has.
     """
     from ..attention.triton_backend import TritonAttention
-    from .qk_norm_rope import output_dtypes
+    from ..layers.attention import ApplyRotary
+    from .hub import _qk_norm_rope
+    from .qk_norm_rope import _fusable, output_dtypes
 
-    cache = batch.kv_cache
+    cache, rotary = batch.kv_cache, attn.rotary
     if not FUSE_ATTENTION:
         return "FUSE_ATTENTION is off"
     if pdl_enabled(q.device) and not FUSE_ATTENTION_WITH_PDL:
@@ -159,15 +154,26 @@ def _attention_declines(attn: Attention, q, k, v, cos, sin, batch) -> str | None
         return f"the {type(attn.backend).__name__} backend, not exactly the triton one"
     if cache is None or not batch.has_context or batch.max_seqlen_q != 1:
         return "not a pure decode step with a KV cache"
+    if type(rotary) is not ApplyRotary or not _unhooked(rotary) or getattr(
+            rotary.__dict__.get("forward"), "__func__", None) is not _qk_norm_rope:
+        return "the rotary module does not run the hub's qk_norm_rope kernel alone"
+    norms = (attn.q_norm, attn.k_norm)  # both absent, or both plain RMSNorms
+    if any(n is not None for n in norms) and not all(n is not None and _plain_norm(n) for n in norms):
+        return "the q/k norms are not both plain RMSNorms"
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+        return "autograd is on"
+    t, hkv, d = k.shape
     tables = (batch.seqlens_k, batch.block_table, batch.slot_mapping)
-    if any(x is None or x.shape[0] != k.shape[0] for x in tables) or batch.slot_mapping.dim() != 1:
+    if any(x is None or x.shape[0] != t for x in tables) or batch.slot_mapping.dim() != 1:
         return "no one length, block-table row and slot per query"
-    reason = rotation_declines(attn, q, k, v, cos, sin, batch)
-    if reason is not None:
-        return reason
+    if cos.dim() != 2 or cos.shape != sin.shape or cos.shape[0] != t or cos.shape[1] > d or cos.shape[1] % 2:
+        return f"cos/sin {tuple(cos.shape)} are not one even row per query"
     q_dtype, k_dtype = output_dtypes(q, k, cos, None if attn.q_norm is None else attn.q_norm.weight)
     if q_dtype != k_dtype:
         return f"q and k would round to {q_dtype} and {k_dtype}"
+    store = (v, cache.k[attn.layer_idx], cache.v[attn.layer_idx], batch.slot_mapping)
+    if not _fusable(store, k_dtype, (t, hkv, d), q.device):
+        return "qk_norm_rope would not fuse this cache store"
     return None
 
 
@@ -224,12 +230,8 @@ def fused_norm_decode_forward(self, hidden, residual, cos, sin, batch):
     if prenormed is not None:  # the previous layer's down projection normed this input
         gamma_h, shares = prenormed
         return quant_post_norm_forward(self, gamma_h, hidden, cos, sin, batch, shares)
-    packed = _qkv_packed(attn)
-    attended = attention_with_heads(attn, packed, hidden, cos, sin, batch, self.input_layernorm, residual)
-    folded = None if attended is not None else _fold(self.input_layernorm, packed, hidden, residual)
-    if attended is not None:
-        hidden, residual = attended
-    elif folded is not None:
+    folded = _fold(self.input_layernorm, _qkv_packed(attn), hidden, residual)
+    if folded is not None:
         qkv, residual = folded
         hidden = _attention_past_projections(attn, qkv, cos, sin, batch)
     else:
@@ -241,11 +243,7 @@ def fused_norm_decode_forward(self, hidden, residual, cos, sin, batch):
         quantized = quant_post_norm_forward(self, hidden, residual, cos, sin, batch)
         if quantized is not None:  # a quantized layer's post-attention norm inside its GEMVs
             return quantized
-        attended = attention_with_heads(attn, packed, hidden, cos, sin, batch)  # too wide to fold the norm
-        if attended is None:
-            rotated = quant_attention_heads(attn, hidden, cos, sin, batch)
-            attended = None if rotated is None else attn.o_proj(rotated)
-        hidden = attended if attended is not None else attn(hidden, cos, sin, batch)
+        hidden = attn(hidden, cos, sin, batch)
 
     # The exact class is DecoderLayer (the hub's predicate), so feed_forward is the MLP itself.
     folded = _fold(self.post_attention_layernorm, _gate_up_packed(mlp), hidden, residual)

@@ -80,13 +80,12 @@ def _normed(s, rstd, norm_w):
 
 
 @triton.jit
-def gemv_rows(x_ptr, u_ptr, w_ptr, b_ptr, nw_ptr, s_ptr, N, K, eps, stride_xm, stride_um, stride_wn, pid_n, m,
-              ACT: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
-    """The fp32 outputs of rows ``pid_n * BLOCK_N ..`` (``[BLOCK_N]``, bias added) of input row ``m``,
-    and the rows: the body of ``_gemv_kernel``, for kernels that finish the outputs otherwise
-    (``gemv_heads.py``). Waits for the producer (PDL) after requesting the first weight tile.
-    Inputs by mode: plain (x), ACT (gate x, up u), NORM (x, residual u, norm weight nw, sum out s)."""
+def _gemv_kernel(x_ptr, u_ptr, w_ptr, b_ptr, y_ptr, nw_ptr, s_ptr, N, K, eps, stride_xm, stride_um, stride_wn,
+                 stride_ym, ACT: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    # Inputs by mode: plain (x), ACT (gate x, up u), NORM (x, residual u, norm weight nw, sum out s).
+    pid_n = tl.program_id(0)
+    m = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_K)
     row_ok = rows < N
@@ -139,16 +138,6 @@ def gemv_rows(x_ptr, u_ptr, w_ptr, b_ptr, nw_ptr, s_ptr, N, K, eps, stride_xm, s
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-    return y, rows, row_ok
-
-
-@triton.jit
-def _gemv_kernel(x_ptr, u_ptr, w_ptr, b_ptr, y_ptr, nw_ptr, s_ptr, N, K, eps, stride_xm, stride_um, stride_wn,
-                 stride_ym, ACT: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
-    m = tl.program_id(1)
-    y, rows, row_ok = gemv_rows(x_ptr, u_ptr, w_ptr, b_ptr, nw_ptr, s_ptr, N, K, eps, stride_xm, stride_um, stride_wn,
-                                tl.program_id(0), m, ACT, NORM, HAS_RESIDUAL, HAS_BIAS, BLOCK_N, BLOCK_K, USE_PDL)
     tl.store(y_ptr + m.to(tl.int64) * stride_ym + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
 
 

@@ -148,13 +148,15 @@ def _block(w, xb, s_at, z_at, n_blocks, ok, acc, r1, r2, FMT: tl.constexpr, HAS_
 
 
 @triton.jit
-def dots(x_ptr, q_ptr, s_ptr, z_ptr, n_blocks, ld_q, half, p_ptr, n_shares, n_in, eps, FMT: tl.constexpr,
-         WARPS: tl.constexpr, TILES: tl.constexpr, DEPTH: tl.constexpr, HAS_ZEROS: tl.constexpr, EVEN: tl.constexpr,
-         GATED: tl.constexpr, SHARES: tl.constexpr, USE_PDL: tl.constexpr):
-    """The program's dot products before any epilogue: ``(acc, row0, rstd)``, ``acc`` the four
-    per-lane sums (rows g, g + r1 of each tile; int4 scaled, int8 not yet), ``row0`` the program's first
-    output row, ``rstd`` 1 or, with SHARES, ``1 / rms`` of x's row (see ``_kernel``). Waits for the
-    producer (PDL) once the first blocks of weights are requested."""
+def _kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, n_blocks, ld_q, half, p_ptr, n_shares, n_in, eps, r_ptr,
+            g_ptr, h_ptr, po_ptr, FMT: tl.constexpr, WARPS: tl.constexpr, TILES: tl.constexpr, DEPTH: tl.constexpr,
+            HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr,
+            SHARES: tl.constexpr, NORMED: tl.constexpr, USE_PDL: tl.constexpr):
+    # Epilogues (quant_gemv_epilogues.py): GATED >= 0, an activation code: act(gate) * up of a packed
+    # gate/up. SHARES > 0: the dots scaled by 1 / rms of x's un-normalised row, from the n_shares
+    # (<= SHARES) shares of its squares at p_ptr (n_in elements). NORMED: the residual add and the
+    # next norm's input: h = out + residual (r_ptr) into h_ptr, gamma (g_ptr) * h into out_ptr, the
+    # program's share of sum(h^2) into po_ptr.
     # One element per lane: [32 * WARPS] tensors are laid out one per thread, element e on thread e.
     e = tl.arange(0, 32 * WARPS)
     lane = e % 32
@@ -233,26 +235,11 @@ def dots(x_ptr, q_ptr, s_ptr, z_ptr, n_blocks, ld_q, half, p_ptr, n_shares, n_in
         s_at += WARPS
         z_at += WARPS
     acc = _block(words, xb, s_at, z_at, n_blocks, ok, acc, r1, r2, FMT, HAS_ZEROS, TILES)
-    rstd = 1.0
-    if SHARES > 0:
-        rstd = rstd_of(shares, n_in, eps)
-    return acc, row0, rstd
-
-
-@triton.jit
-def _kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, n_blocks, ld_q, half, p_ptr, n_shares, n_in, eps, r_ptr,
-            g_ptr, h_ptr, po_ptr, FMT: tl.constexpr, WARPS: tl.constexpr, TILES: tl.constexpr, DEPTH: tl.constexpr,
-            HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr,
-            SHARES: tl.constexpr, NORMED: tl.constexpr, USE_PDL: tl.constexpr):
-    # Epilogues (quant_gemv_epilogues.py): GATED >= 0, an activation code: act(gate) * up of a packed
-    # gate/up. SHARES > 0: the dots scaled by 1 / rms of x's un-normalised row, from the n_shares
-    # (<= SHARES) shares of its squares at p_ptr (n_in elements). NORMED: the residual add and the
-    # next norm's input: h = out + residual (r_ptr) into h_ptr, gamma (g_ptr) * h into out_ptr, the
-    # program's share of sum(h^2) into po_ptr.
-    acc, row0, rstd = dots(x_ptr, q_ptr, s_ptr, z_ptr, n_blocks, ld_q, half, p_ptr, n_shares, n_in, eps, FMT, WARPS,
-                           TILES, DEPTH, HAS_ZEROS, EVEN, GATED, SHARES, USE_PDL)
     ROW_SCALE: tl.constexpr = FMT == FMT_INT8
     HAS_RSTD: tl.constexpr = SHARES > 0
+    rstd = 1.0
+    if HAS_RSTD:
+        rstd = rstd_of(shares, n_in, eps)
     if GATED >= 0:
         if TILES == 1:
             store_gated(acc[0], acc[1], s_ptr, b_ptr, out_ptr, row0, half, rstd, WARPS, ROW_SCALE, HAS_RSTD, HAS_BIAS,

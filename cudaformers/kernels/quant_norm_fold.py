@@ -174,18 +174,14 @@ def quant_post_norm_forward(layer, hidden: torch.Tensor, residual: torch.Tensor 
     from .hub import _runs_act_kernel
     from .quant_gemv_mma import GATED, quant_gemv_mma, quant_gemv_mma_normed, supports
 
-    from .heads_fold import quant_attention_heads
-
     attn, mlp, norm = layer.self_attn, layer.mlp, layer.post_attention_layernorm
-    rms = None if shares is None else (shares, layer.input_layernorm.variance_epsilon)
-    heads = quant_attention_heads(attn, hidden, cos, sin, batch, rms)  # [1, N*D], where q/k/v finish their heads
-    if heads is None:
-        if shares is None:
-            q, k, v = attn.project_qkv(hidden)
-        else:
-            qkv = attn.packed_qkv
-            q, k, v = quant_gemv_mma(hidden, qkv.layer.packed(), qkv.layer.bias, rms=rms).split(qkv.sizes, dim=-1)
-        heads = attn.attend_heads(q, k, v, cos, sin, batch)
+    if shares is None:
+        q, k, v = attn.project_qkv(hidden)
+    else:
+        qkv = attn.packed_qkv
+        rms = (shares, layer.input_layernorm.variance_epsilon)
+        q, k, v = quant_gemv_mma(hidden, qkv.layer.packed(), qkv.layer.bias, rms=rms).split(qkv.sizes, dim=-1)
+    heads = attn.attend_heads(q, k, v, cos, sin, batch)  # [1, N*D]
     o = attn.o_proj
     w_o = o.packed()
     if not supports(heads, w_o):  # the attention's output in a layout the GEMV does not read
