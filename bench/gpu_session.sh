@@ -107,6 +107,11 @@ for part in "${parts[@]}"; do
                  --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
                  --section MemoryWorkloadAnalysis --print-details all \
                  python3 bench/profile_quant.py ${QUANT_NCU_ARGS:-} ;;
+    # The fragment GEMV (batch 1's int4/int8 kernel) never had a hardware profile: where its warps stall.
+    quant-ncu-frag) run quant-ncu-frag 200 ncu --clock-control none --profile-from-start off --section SpeedOfLight \
+                      --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
+                      --section MemoryWorkloadAnalysis --section SourceCounters --print-details all \
+                      python3 bench/profile_quant.py --layers qkv,o,gate_up,down --kernels frag,bf16 ;;
     decode-profile-int4) run decode-profile-int4 120 python3 bench/profile_decode.py --shape qwen3-8b --kernels \
                            --quant int4 ;;
     generate-overhead) run generate-overhead 90 python3 bench/generate_overhead.py ;;

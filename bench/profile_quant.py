@@ -1,7 +1,7 @@
 """One launch of each quantized decode kernel for a hardware-counter profiler to read.
 
     ncu --clock-control none --profile-from-start off --section SpeedOfLight ... python bench/profile_quant.py
-        [--layers gate_up,down] [--methods int4,int8] [--kernels fma,mma,bf16]
+        [--layers gate_up,down] [--methods int4,int8] [--kernels fma,mma,frag,bf16]
 
 Each kernel first runs a few times (compile, autotune, warm the caches of its launch path) outside the
 profiled range; then ``cudaProfilerStart`` opens the range and each case launches once, so the
@@ -21,6 +21,7 @@ from quant import KERNEL_SHAPES, _bf16_layer, method_config  # noqa: E402
 
 
 def cases(layers, methods, kernels):
+    from cudaformers.kernels import quant_gemv_mma as fragment
     from cudaformers.kernels.quant_mma import quant_mma, supports
     from cudaformers.quant.apply import quantize
 
@@ -40,13 +41,15 @@ def cases(layers, methods, kernels):
             xm = x.half() if method == "int8" else x
             if "mma" in kernels and supports(xm, w):
                 yield f"{label} {method} mma", (lambda w=w, xm=xm: quant_mma(xm, w))
+            if "frag" in kernels and fragment.supports(x, w):  # the fragment GEMV (what batch 1 runs)
+                yield f"{label} {method} frag", (lambda w=w, x=x: fragment.quant_gemv_mma(x, w))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", default="gate_up,down")
     ap.add_argument("--methods", default="int4,int8")
-    ap.add_argument("--kernels", default="fma,mma,bf16", help="any of fma, mma, bf16")
+    ap.add_argument("--kernels", default="fma,mma,bf16", help="any of fma, mma, frag, bf16")
     args = ap.parse_args()
     todo = list(cases(args.layers.split(","), args.methods.split(","), args.kernels.split(",")))
     with torch.no_grad():
