@@ -141,8 +141,27 @@ def emulate_inline_asm(monkeypatch) -> None:
         def get_result(self, i):
             return self.results[i]
 
+    def load_pairs(asm, values, types):
+        """The fragment GEMV's 16-byte weight loads (``quant_gemv_mma._PAIR``/``_PAIR_IF``): two int64
+        at each lane's address, 0 where the predicate operand is 0; read from the interpreter's memory."""
+        import ctypes
+
+        addresses = values[0].data.reshape(-1)
+        keep = values[1].data.reshape(-1) if len(values) > 1 else np.ones(addresses.size, dtype=bool)
+        assert "@p ld.global" in asm or len(values) == 1, "a predicated load takes its predicate operand"
+        words = np.zeros((addresses.size, 2), dtype=np.int64)
+        for i, (address, on) in enumerate(zip(addresses.tolist(), keep.tolist())):
+            if on:
+                assert address % 16 == 0, f"a 16-byte load from an unaligned address {address:#x}"
+                words[i] = np.frombuffer(ctypes.string_at(address, 16), dtype=np.int64)
+        shape = values[0].data.shape
+        return _Call([interpreter.TensorHandle(words[:, j].reshape(shape).copy(), ty.scalar)
+                      for j, ty in enumerate(types)])
+
     def create_inline_asm(self, asm, constraints, values, types, is_pure, pack):
         assert pack == 1, "only one element per asm instance is emulated"
+        if "ld.global.nc" in asm and "v2.u64" in asm:
+            return load_pairs(asm, values, types)
         cons = constraints.split(",")
         n_out = sum(c.startswith("=") for c in cons)
         flat = [v.data.reshape(-1) for v in values]

@@ -59,23 +59,45 @@ UNMASKED_EVEN = False
 # (``act`` of ``quant_gemv_mma``, through ``hub._gated_quant``): the same GEMV work and one launch fewer
 # a layer, bit for bit the unfused result. Off until it has run on a GPU (bench/RESULTS.md, "Not yet run").
 GATED = False
+# A lane's 16 bytes of a row as one load (``ld.global.nc.L1::no_allocate.v2.u64``: the read-only path,
+# not kept in L1, since each weight is read once) instead of two 8-byte loads, each of which touches half
+# of the same two sectors: half the load instructions and requests for the weights (sm_90 SASS:
+# LDG.E.NA.128.CONSTANT for LDG.E.64 pairs). Off until it has run on a GPU (bench/RESULTS.md, "Not yet
+# run"); bench/quant.py's ``_wide``.
+WIDE_LOADS = False
+_PAIR = tl.constexpr("ld.global.nc.L1::no_allocate.v2.u64 {$0, $1}, [$2];")
+_PAIR_IF = tl.constexpr("{ .reg .pred p; setp.ne.b32 p, $3, 0; mov.b64 $0, 0; mov.b64 $1, 0; "
+                        "@p ld.global.nc.L1::no_allocate.v2.u64 {$0, $1}, [$2]; }")
 
 
 @triton.jit
-def _words(at, ld_q, ok, r1, r2, TILES: tl.constexpr):
+def _pair(at, ok, WIDE: tl.constexpr, EVEN: tl.constexpr):
+    """Words ``at[0]`` and ``at[1]`` (int64; 16-byte aligned for WIDE), or where not ``ok`` any value
+    (0 when WIDE)."""
+    if WIDE:
+        if EVEN:  # ok is constant true
+            a, b = tl.inline_asm_elementwise(_PAIR, "=l,=l,l", [at], dtype=(tl.int64, tl.int64), is_pure=False,
+                                             pack=1)
+        else:
+            a, b = tl.inline_asm_elementwise(_PAIR_IF, "=l,=l,l,r", [at, ok.to(tl.int32)],
+                                             dtype=(tl.int64, tl.int64), is_pure=False, pack=1)
+    else:
+        a = tl.load(at, mask=ok)
+        b = tl.load(at + 1, mask=ok)
+    return a, b
+
+
+@triton.jit
+def _words(at, ld_q, ok, r1, r2, TILES: tl.constexpr, WIDE: tl.constexpr, EVEN: tl.constexpr):
     """The lane's 4 words of a block in rows g, g + r1 (and g + r2, g + r2 + r1 with two tiles; see
     ``_kernel`` for r1 and r2), as two int64 a row (weights: may be requested before the previous
     kernel has finished). Words of blocks past the row's end need no fill value: they are only ever
     multiplied by x and scales masked to 0, and every bit pattern decodes to a finite bf16."""
-    w0 = tl.load(at, mask=ok)
-    w1 = tl.load(at + 1, mask=ok)
-    w2 = tl.load(at + r1 * ld_q, mask=ok)
-    w3 = tl.load(at + r1 * ld_q + 1, mask=ok)
+    w0, w1 = _pair(at, ok, WIDE, EVEN)
+    w2, w3 = _pair(at + r1 * ld_q, ok, WIDE, EVEN)
     if TILES == 2:
-        w4 = tl.load(at + r2 * ld_q, mask=ok)
-        w5 = tl.load(at + r2 * ld_q + 1, mask=ok)
-        w6 = tl.load(at + (r2 + r1) * ld_q, mask=ok)
-        w7 = tl.load(at + (r2 + r1) * ld_q + 1, mask=ok)
+        w4, w5 = _pair(at + r2 * ld_q, ok, WIDE, EVEN)
+        w6, w7 = _pair(at + (r2 + r1) * ld_q, ok, WIDE, EVEN)
     else:  # not read
         w4, w5, w6, w7 = w0, w1, w2, w3
     return w0, w1, w2, w3, w4, w5, w6, w7
@@ -151,7 +173,8 @@ def _block(w, xb, s_at, z_at, n_blocks, ok, acc, r1, r2, FMT: tl.constexpr, HAS_
 def _kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, n_blocks, ld_q, half, p_ptr, n_shares, n_in, eps, r_ptr,
             g_ptr, h_ptr, po_ptr, FMT: tl.constexpr, WARPS: tl.constexpr, TILES: tl.constexpr, DEPTH: tl.constexpr,
             HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr,
-            SHARES: tl.constexpr, NORMED: tl.constexpr, USE_PDL: tl.constexpr):
+            SHARES: tl.constexpr, NORMED: tl.constexpr, USE_PDL: tl.constexpr, WIDE: tl.constexpr):
+    # WIDE: each row's 16 bytes a lane as one load (``WIDE_LOADS``).
     # Epilogues (quant_gemv_epilogues.py): GATED >= 0, an activation code: act(gate) * up of a packed
     # gate/up. SHARES > 0: the dots scaled by 1 / rms of x's un-normalised row, from the n_shares
     # (<= SHARES) shares of its squares at p_ptr (n_in elements). NORMED: the residual add and the
@@ -198,17 +221,17 @@ def _kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, n_blocks, ld_q, half, p_
         ok = tl.full([32 * WARPS], 1, tl.int1)
     else:
         ok = warp < n_blocks
-    words = _words(at, ld_q, ok, r1, r2, TILES)
+    words = _words(at, ld_q, ok, r1, r2, TILES, WIDE, EVEN)
     ok_1, words_1 = ok, words  # the next block (DEPTH >= 2)
     ok_2, words_2 = ok, words  # the one after (DEPTH 3)
     if DEPTH >= 2:
         if not EVEN:
             ok_1 = warp + WARPS < n_blocks
-        words_1 = _words(at + 8 * WARPS, ld_q, ok_1, r1, r2, TILES)
+        words_1 = _words(at + 8 * WARPS, ld_q, ok_1, r1, r2, TILES, WIDE, EVEN)
     if DEPTH == 3:
         if not EVEN:
             ok_2 = warp + 2 * WARPS < n_blocks
-        words_2 = _words(at + 16 * WARPS, ld_q, ok_2, r1, r2, TILES)
+        words_2 = _words(at + 16 * WARPS, ld_q, ok_2, r1, r2, TILES, WIDE, EVEN)
     wait_for_producer(USE_PDL)
     release_dependents(USE_PDL)
     if SHARES > 0:  # read now, summed at the end
@@ -219,10 +242,10 @@ def _kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, n_blocks, ld_q, half, p_
         if EVEN:
             ahead_ok = ok
             ahead = _words(at + tl.where(step + DEPTH - 1 < steps, 8 * WARPS * DEPTH, 0), ld_q, ahead_ok, r1, r2,
-                           TILES)
+                           TILES, WIDE, EVEN)
         else:
             ahead_ok = warp + (step + DEPTH - 1) * WARPS < n_blocks
-            ahead = _words(at + 8 * WARPS * DEPTH, ld_q, ahead_ok, r1, r2, TILES)
+            ahead = _words(at + 8 * WARPS * DEPTH, ld_q, ahead_ok, r1, r2, TILES, WIDE, EVEN)
         acc = _block(words, xb, s_at, z_at, n_blocks, ok, acc, r1, r2, FMT, HAS_ZEROS, TILES)
         if DEPTH == 3:
             words, ok, words_1, ok_1, words_2, ok_2 = words_1, ok_1, words_2, ok_2, ahead, ahead_ok
@@ -370,5 +393,5 @@ def _launch(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, plan: t
         HAS_ZEROS=w.zeros is not None, HAS_BIAS=bias is not None,
         EVEN=UNMASKED_EVEN and w.n_blocks % warps == 0 and w.n_blocks >= depth * warps, GATED=gated,
         SHARES=0 if rms is None else next_power_of_2(shares.numel()), NORMED=normed is not None, USE_PDL=pdl,
-        num_warps=warps, launch_pdl=pdl)
+        WIDE=WIDE_LOADS, num_warps=warps, launch_pdl=pdl)
     return (h, out, shares_out) if normed is not None else out
