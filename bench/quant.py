@@ -226,7 +226,7 @@ def bench_mma(methods, bw, env, json_path, tilings=None, ms=(1, 16)) -> list[dic
     return rows
 
 
-SWITCHES = ("fma", "dot", "gated", "unmasked", "fold", "lat", "wide")
+SWITCHES = ("fma", "dot", "gated", "unmasked", "fold", "lat", "wide", "xahead")
 
 
 def method_switches(method: str) -> tuple[str, set[str]]:
@@ -259,6 +259,7 @@ def bench_decode(shape, methods, bw, env, json_path) -> list[dict]:
             fragment.GATED = "gated" in switches  # gate/up's act-and-mul in the fragment GEMV
             fragment.UNMASKED_EVEN = "unmasked" in switches  # its loads without masks
             fragment.WIDE_LOADS = "wide" in switches  # its weights 16 bytes a load
+            fragment.X_AHEAD = "xahead" in switches  # x a block ahead
             norm_fold.NORM_FOLD = "fold" in switches  # the norms inside the GEMVs around them
             # the batch-1 paged decode in 8 warps of 64-key tiles, 3 stages (bench/generate.py's lat8.64.3)
             paged_decode.LATENCY_WARPS, paged_decode.LATENCY_KEYS, paged_decode.LATENCY_STAGES = (

@@ -121,7 +121,7 @@ sig = dict(x_ptr="*i64", q_ptr="*i64", s_ptr="*bf16", z_ptr="*bf16", b_ptr="*bf1
            ld_q="i32", half="i32", p_ptr="*fp32", n_shares="i32", n_in="i32", eps="fp32", r_ptr="*bf16", g_ptr="*bf16",
            h_ptr="*bf16", po_ptr="*fp32", FMT="constexpr", WARPS="constexpr", TILES="constexpr", DEPTH="constexpr",
            HAS_ZEROS="constexpr", HAS_BIAS="constexpr", EVEN="constexpr", GATED="constexpr", SHARES="constexpr",
-           NORMED="constexpr", USE_PDL="constexpr", WIDE="constexpr")
+           NORMED="constexpr", USE_PDL="constexpr", WIDE="constexpr", X_AHEAD="constexpr")
 # (fmt, zero points and bias, tiles, depth, gated, shares, normed)
 for fmt, zeros, tiles, depth, gated, shares, normed in (
         (0, False, 1, 1, -1, 0, 0), (0, True, 1, 2, -1, 0, 0), (0, True, 2, 3, -1, 0, 0), (1, False, 1, 2, -1, 0, 0),
@@ -129,7 +129,8 @@ for fmt, zeros, tiles, depth, gated, shares, normed in (
         (1, False, 1, 3, 0, 0, 0), (1, True, 2, 2, 2, 0, 0), (1, False, 1, 2, 0, 256, 0), (0, True, 1, 1, -1, 0, 1)):
     src = ASTSource(m._kernel, dict(sig, s_ptr="*fp32" if fmt else "*bf16"),
                     dict(FMT=fmt, WARPS=8, TILES=tiles, DEPTH=depth, HAS_ZEROS=zeros, HAS_BIAS=zeros, EVEN=zeros or tiles == 2,
-                         GATED=gated, SHARES=shares, NORMED=bool(normed), USE_PDL=True, WIDE=tiles == 2),
+                         GATED=gated, SHARES=shares, NORMED=bool(normed), USE_PDL=True, WIDE=tiles == 2,
+                         X_AHEAD=depth == 2),
                     {(i,): [["tt.divisibility", 16]] for i in range(6)})
     c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
     ptx = c.asm["ptx"]
@@ -175,12 +176,14 @@ def _weights(fmt: str, n: int, k: int, seed: int):
     return PackedWeight("int4", q, s, k, 128, zeros=z), x, bias
 
 
-def _launch(monkeypatch, x, w, bias, plan, act=None, even=False, rms=None, normed=None, wide=False):
+def _launch(monkeypatch, x, w, bias, plan, act=None, even=False, rms=None, normed=None, loads=""):
+    """The kernel on the CPU; ``loads`` may name its load switches: "wide" (WIDE_LOADS), "xahead" (X_AHEAD)."""
     from cudaformers.kernels import quant_gemv_mma as m
 
     emulate_inline_asm(monkeypatch)
     monkeypatch.setattr(m, "UNMASKED_EVEN", even)
-    monkeypatch.setattr(m, "WIDE_LOADS", wide)
+    monkeypatch.setattr(m, "WIDE_LOADS", "wide" in loads)
+    monkeypatch.setattr(m, "X_AHEAD", "xahead" in loads)
     return m._launch(x, w, bias, plan, act, rms, normed)
 
 
@@ -194,14 +197,15 @@ KERNEL_CASES = [("int4_sym", 32, 640, (2, 1, 1), False), ("int4_asym", 64, 256, 
                 ("int4_sym", 32, 1152, (2, 1, 3), False), ("int8", 32, 768, (2, 1, 3), True)]
 
 
-@pytest.mark.parametrize("wide", [False, True])  # the weights as two 8-byte loads a row and lane, or one of 16
+# The weights as two 8-byte loads a row and lane or one of 16 ("wide"); x loaded with its block or one ahead
+@pytest.mark.parametrize("loads", ["", "wide", "xahead", "wide+xahead"])
 @pytest.mark.parametrize("fmt,n,k,plan,even", KERNEL_CASES, ids=str)
-def test_the_kernel_matches_the_reference_on_the_cpu(monkeypatch, fmt, n, k, plan, even, wide):
+def test_the_kernel_matches_the_reference_on_the_cpu(monkeypatch, fmt, n, k, plan, even, loads):
     from cudaformers.kernels.quant_matmul import quant_matmul_reference
 
     w, x, bias = _weights(fmt, n, k, seed=n + k)
     for b in (None, bias):
-        out = _launch(monkeypatch, x, w, b, plan, even=even, wide=wide)
+        out = _launch(monkeypatch, x, w, b, plan, even=even, loads=loads)
         ref32 = quant_matmul_reference(x.float(), w, None if b is None else b.float())
         ref = quant_matmul_reference(x, w, b).float()
         bound = 2 * (ref - ref32).abs().max() + torch.finfo(torch.bfloat16).eps * ref32.abs().max() + 1e-3

@@ -65,6 +65,10 @@ GATED = False
 # LDG.E.NA.128.CONSTANT for LDG.E.64 pairs). Off until it has run on a GPU (bench/RESULTS.md, "Not yet
 # run"); bench/quant.py's ``_wide``.
 WIDE_LOADS = False
+# Each block's x requested one block ahead, as its weights are (they are loaded after the wait for the
+# producer, and each is an L1/L2 round trip the block's first mma waits for): 8 (int4) or 4 (int8) more
+# int64 registers a lane. Off until it has run on a GPU; bench/quant.py's ``_xahead``.
+X_AHEAD = False
 _PAIR = tl.constexpr("ld.global.nc.L1::no_allocate.v2.u64 {$0, $1}, [$2];")
 _PAIR_IF = tl.constexpr("{ .reg .pred p; setp.ne.b32 p, $3, 0; mov.b64 $0, 0; mov.b64 $1, 0; "
                         "@p ld.global.nc.L1::no_allocate.v2.u64 {$0, $1}, [$2]; }")
@@ -115,14 +119,23 @@ def _scaled(d, xs, s_at, z_at, ok, HAS_ZEROS: tl.constexpr):
 
 
 @triton.jit
-def _block4(w, xb, s_at, z_at, n_blocks, ok, acc, r1, r2, HAS_ZEROS: tl.constexpr, TILES: tl.constexpr):
-    """``acc += s * (w - z) . x`` over one int4 block for the lane's rows (as ``_words``); ``xb``
-    points at the lane's first 4-element piece of x in the block (x as int64), ``s_at``/``z_at`` at row
-    g's scale (zero point) of the block."""
-    x = (tl.load(xb, mask=ok, other=0), tl.load(xb + 4, mask=ok, other=0), tl.load(xb + 8, mask=ok, other=0),
-         tl.load(xb + 12, mask=ok, other=0), tl.load(xb + 16, mask=ok, other=0),
-         tl.load(xb + 20, mask=ok, other=0), tl.load(xb + 24, mask=ok, other=0),
-         tl.load(xb + 28, mask=ok, other=0))
+def _xs(xb, ok, FMT: tl.constexpr):
+    """The lane's pieces of x for one block (``xb`` at its first 4-element piece, x as int64): 8 for
+    int4, 4 for int8; 0 outside the K range (``ok`` false)."""
+    if FMT == FMT_INT8:
+        return (tl.load(xb, mask=ok, other=0), tl.load(xb + 4, mask=ok, other=0), tl.load(xb + 8, mask=ok, other=0),
+                tl.load(xb + 12, mask=ok, other=0))
+    else:
+        return (tl.load(xb, mask=ok, other=0), tl.load(xb + 4, mask=ok, other=0), tl.load(xb + 8, mask=ok, other=0),
+                tl.load(xb + 12, mask=ok, other=0), tl.load(xb + 16, mask=ok, other=0),
+                tl.load(xb + 20, mask=ok, other=0), tl.load(xb + 24, mask=ok, other=0),
+                tl.load(xb + 28, mask=ok, other=0))
+
+
+@triton.jit
+def _block4(w, x, s_at, z_at, n_blocks, ok, acc, r1, r2, HAS_ZEROS: tl.constexpr, TILES: tl.constexpr):
+    """``acc += s * (w - z) . x`` over one int4 block for the lane's rows (as ``_words``); ``x`` the
+    lane's pieces of x (``_xs``), ``s_at``/``z_at`` at row g's scale (zero point) of the block."""
     if TILES == 2:
         d0, d1, d2, d3, xs = tl.inline_asm_elementwise(
             INT4_ASM2, "=f,=f,=f,=f,=f" + ",l" * 16,
@@ -142,11 +155,9 @@ def _block4(w, xb, s_at, z_at, n_blocks, ok, acc, r1, r2, HAS_ZEROS: tl.constexp
 
 
 @triton.jit
-def _block8(w, xb, ok, acc, TILES: tl.constexpr):
+def _block8(w, x, acc, TILES: tl.constexpr):
     """``acc += q . x`` over one int8 block for the lane's rows, through the tensor cores' accumulators
-    (the row scale comes at the end); ``xb`` as in ``_block4``. Outside the K range x reads 0."""
-    x = (tl.load(xb, mask=ok, other=0), tl.load(xb + 4, mask=ok, other=0), tl.load(xb + 8, mask=ok, other=0),
-         tl.load(xb + 12, mask=ok, other=0))
+    (the row scale comes at the end); ``x`` as in ``_block4`` (0 outside the K range)."""
     if TILES == 2:
         acc0, acc1, acc2, acc3 = tl.inline_asm_elementwise(
             INT8_ASM2, "=f,=f,=f,=f,f,f,f,f" + ",l" * 12,
@@ -161,20 +172,21 @@ def _block8(w, xb, ok, acc, TILES: tl.constexpr):
 
 
 @triton.jit
-def _block(w, xb, s_at, z_at, n_blocks, ok, acc, r1, r2, FMT: tl.constexpr, HAS_ZEROS: tl.constexpr,
+def _block(w, x, s_at, z_at, n_blocks, ok, acc, r1, r2, FMT: tl.constexpr, HAS_ZEROS: tl.constexpr,
            TILES: tl.constexpr):
     if FMT == FMT_INT8:
-        return _block8(w, xb, ok, acc, TILES)
+        return _block8(w, x, acc, TILES)
     else:
-        return _block4(w, xb, s_at, z_at, n_blocks, ok, acc, r1, r2, HAS_ZEROS, TILES)
+        return _block4(w, x, s_at, z_at, n_blocks, ok, acc, r1, r2, HAS_ZEROS, TILES)
 
 
 @triton.jit
 def _kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, n_blocks, ld_q, half, p_ptr, n_shares, n_in, eps, r_ptr,
             g_ptr, h_ptr, po_ptr, FMT: tl.constexpr, WARPS: tl.constexpr, TILES: tl.constexpr, DEPTH: tl.constexpr,
             HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr,
-            SHARES: tl.constexpr, NORMED: tl.constexpr, USE_PDL: tl.constexpr, WIDE: tl.constexpr):
-    # WIDE: each row's 16 bytes a lane as one load (``WIDE_LOADS``).
+            SHARES: tl.constexpr, NORMED: tl.constexpr, USE_PDL: tl.constexpr, WIDE: tl.constexpr,
+            X_AHEAD: tl.constexpr):
+    # WIDE: each row's 16 bytes a lane as one load (``WIDE_LOADS``); X_AHEAD: x a block ahead (``X_AHEAD``).
     # Epilogues (quant_gemv_epilogues.py): GATED >= 0, an activation code: act(gate) * up of a packed
     # gate/up. SHARES > 0: the dots scaled by 1 / rms of x's un-normalised row, from the n_shares
     # (<= SHARES) shares of its squares at p_ptr (n_in elements). NORMED: the residual add and the
@@ -237,6 +249,9 @@ def _kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, n_blocks, ld_q, half, p_
     if SHARES > 0:  # read now, summed at the end
         i = tl.arange(0, SHARES)
         shares = tl.load(p_ptr + i, mask=i < n_shares, other=0.0)
+    # X_AHEAD: x one block ahead too (its loads come after the wait, each an L1/L2 round trip).
+    if X_AHEAD:
+        x = _xs(xb, ok, FMT)
     # Unrolled DEPTH times, the blocks in flight rotate through registers without moves.
     for step in tl.range(1, steps, loop_unroll_factor=DEPTH):
         if EVEN:
@@ -246,7 +261,12 @@ def _kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, n_blocks, ld_q, half, p_
         else:
             ahead_ok = warp + (step + DEPTH - 1) * WARPS < n_blocks
             ahead = _words(at + 8 * WARPS * DEPTH, ld_q, ahead_ok, r1, r2, TILES, WIDE, EVEN)
-        acc = _block(words, xb, s_at, z_at, n_blocks, ok, acc, r1, r2, FMT, HAS_ZEROS, TILES)
+        if X_AHEAD:  # the next block's x: valid where its words are
+            x_next = _xs(xb + X_STEP * WARPS, ok_1 if DEPTH >= 2 else ahead_ok, FMT)
+            acc = _block(words, x, s_at, z_at, n_blocks, ok, acc, r1, r2, FMT, HAS_ZEROS, TILES)
+            x = x_next
+        else:
+            acc = _block(words, _xs(xb, ok, FMT), s_at, z_at, n_blocks, ok, acc, r1, r2, FMT, HAS_ZEROS, TILES)
         if DEPTH == 3:
             words, ok, words_1, ok_1, words_2, ok_2 = words_1, ok_1, words_2, ok_2, ahead, ahead_ok
         elif DEPTH == 2:
@@ -257,7 +277,10 @@ def _kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, n_blocks, ld_q, half, p_
         xb += X_STEP * WARPS
         s_at += WARPS
         z_at += WARPS
-    acc = _block(words, xb, s_at, z_at, n_blocks, ok, acc, r1, r2, FMT, HAS_ZEROS, TILES)
+    if X_AHEAD:
+        acc = _block(words, x, s_at, z_at, n_blocks, ok, acc, r1, r2, FMT, HAS_ZEROS, TILES)
+    else:
+        acc = _block(words, _xs(xb, ok, FMT), s_at, z_at, n_blocks, ok, acc, r1, r2, FMT, HAS_ZEROS, TILES)
     ROW_SCALE: tl.constexpr = FMT == FMT_INT8
     HAS_RSTD: tl.constexpr = SHARES > 0
     rstd = 1.0
@@ -393,5 +416,5 @@ def _launch(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, plan: t
         HAS_ZEROS=w.zeros is not None, HAS_BIAS=bias is not None,
         EVEN=UNMASKED_EVEN and w.n_blocks % warps == 0 and w.n_blocks >= depth * warps, GATED=gated,
         SHARES=0 if rms is None else next_power_of_2(shares.numel()), NORMED=normed is not None, USE_PDL=pdl,
-        WIDE=WIDE_LOADS, num_warps=warps, launch_pdl=pdl)
+        WIDE=WIDE_LOADS, X_AHEAD=X_AHEAD, num_warps=warps, launch_pdl=pdl)
     return (h, out, shares_out) if normed is not None else out
