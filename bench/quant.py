@@ -226,7 +226,7 @@ def bench_mma(methods, bw, env, json_path, tilings=None, ms=(1, 16)) -> list[dic
     return rows
 
 
-SWITCHES = ("fma", "dot", "gated", "unmasked", "fold", "lat", "wide", "xahead")
+SWITCHES = ("fma", "dot", "gated", "unmasked", "fold", "lat", "wide", "xahead", "chains")
 
 
 def method_switches(method: str) -> tuple[str, set[str]]:
@@ -260,6 +260,7 @@ def bench_decode(shape, methods, bw, env, json_path) -> list[dict]:
             fragment.UNMASKED_EVEN = "unmasked" in switches  # its loads without masks
             fragment.WIDE_LOADS = "wide" in switches  # its weights 16 bytes a load
             fragment.X_AHEAD = "xahead" in switches  # x a block ahead
+            fragment.SPLIT_CHAINS = "chains" in switches  # a block's mmas in two chains
             norm_fold.NORM_FOLD = "fold" in switches  # the norms inside the GEMVs around them
             # the batch-1 paged decode in 8 warps of 64-key tiles, 3 stages (bench/generate.py's lat8.64.3)
             paged_decode.LATENCY_WARPS, paged_decode.LATENCY_KEYS, paged_decode.LATENCY_STAGES = (

@@ -50,6 +50,11 @@ INT4_ASM = tl.constexpr(int4_block_asm(1))
 INT4_ASM2 = tl.constexpr(int4_block_asm(2))
 INT8_ASM = tl.constexpr(int8_block_asm(1))
 INT8_ASM2 = tl.constexpr(int8_block_asm(2))
+# The same blocks with each accumulator's dependent mmas split into two chains (quant_fragments.py).
+INT4_ASM_C2 = tl.constexpr(int4_block_asm(1, 2))
+INT4_ASM2_C2 = tl.constexpr(int4_block_asm(2, 2))
+INT8_ASM_C2 = tl.constexpr(int8_block_asm(1, 2))
+INT8_ASM2_C2 = tl.constexpr(int8_block_asm(2, 2))
 FMT_INT4, FMT_INT8 = tl.constexpr(0), tl.constexpr(1)
 DEPTHS = (1, 2, 3)  # blocks of weights a warp has in flight while it works on one
 # Where every warp has the same number of blocks, load without masks (EVEN in the kernel): 9-18% fewer
@@ -69,6 +74,10 @@ WIDE_LOADS = False
 # producer, and each is an L1/L2 round trip the block's first mma waits for): 8 (int4) or 4 (int8) more
 # int64 registers a lane. Off until it has run on a GPU; bench/quant.py's ``_xahead``.
 X_AHEAD = False
+# A block's mmas in two dependent chains a accumulator instead of one (8 deep for int4, 8 for int8's low
+# and sign bits), added at the end: half the mma latency each block waits on, for 4-8 more registers and
+# 2-5 adds a block. Off until it has run on a GPU; bench/quant.py's ``_chains``.
+SPLIT_CHAINS = False
 _PAIR = tl.constexpr("ld.global.nc.L1::no_allocate.v2.u64 {$0, $1}, [$2];")
 _PAIR_IF = tl.constexpr("{ .reg .pred p; setp.ne.b32 p, $3, 0; mov.b64 $0, 0; mov.b64 $1, 0; "
                         "@p ld.global.nc.L1::no_allocate.v2.u64 {$0, $1}, [$2]; }")
@@ -133,19 +142,20 @@ def _xs(xb, ok, FMT: tl.constexpr):
 
 
 @triton.jit
-def _block4(w, x, s_at, z_at, n_blocks, ok, acc, r1, r2, HAS_ZEROS: tl.constexpr, TILES: tl.constexpr):
+def _block4(w, x, s_at, z_at, n_blocks, ok, acc, r1, r2, HAS_ZEROS: tl.constexpr, TILES: tl.constexpr,
+            CHAINS: tl.constexpr):
     """``acc += s * (w - z) . x`` over one int4 block for the lane's rows (as ``_words``); ``x`` the
     lane's pieces of x (``_xs``), ``s_at``/``z_at`` at row g's scale (zero point) of the block."""
     if TILES == 2:
         d0, d1, d2, d3, xs = tl.inline_asm_elementwise(
-            INT4_ASM2, "=f,=f,=f,=f,=f" + ",l" * 16,
+            INT4_ASM2 if CHAINS == 1 else INT4_ASM2_C2, "=f,=f,=f,=f,=f" + ",l" * 16,
             [w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7], x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7]],
             dtype=(tl.float32, tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
         acc2 = acc[2] + _scaled(d2, xs, s_at + r2 * n_blocks, z_at + r2 * n_blocks, ok, HAS_ZEROS)
         acc3 = acc[3] + _scaled(d3, xs, s_at + (r2 + r1) * n_blocks, z_at + (r2 + r1) * n_blocks, ok, HAS_ZEROS)
     else:
         d0, d1, xs = tl.inline_asm_elementwise(
-            INT4_ASM, "=f,=f,=f" + ",l" * 12,
+            INT4_ASM if CHAINS == 1 else INT4_ASM_C2, "=f,=f,=f" + ",l" * 12,
             [w[0], w[1], w[2], w[3], x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7]],
             dtype=(tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
         acc2, acc3 = acc[2], acc[3]
@@ -155,17 +165,17 @@ def _block4(w, x, s_at, z_at, n_blocks, ok, acc, r1, r2, HAS_ZEROS: tl.constexpr
 
 
 @triton.jit
-def _block8(w, x, acc, TILES: tl.constexpr):
+def _block8(w, x, acc, TILES: tl.constexpr, CHAINS: tl.constexpr):
     """``acc += q . x`` over one int8 block for the lane's rows, through the tensor cores' accumulators
     (the row scale comes at the end); ``x`` as in ``_block4`` (0 outside the K range)."""
     if TILES == 2:
         acc0, acc1, acc2, acc3 = tl.inline_asm_elementwise(
-            INT8_ASM2, "=f,=f,=f,=f,f,f,f,f" + ",l" * 12,
+            INT8_ASM2 if CHAINS == 1 else INT8_ASM2_C2, "=f,=f,=f,=f,f,f,f,f" + ",l" * 12,
             [acc[0], acc[1], acc[2], acc[3], w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7], x[0], x[1], x[2],
              x[3]], dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
     else:
         acc0, acc1 = tl.inline_asm_elementwise(
-            INT8_ASM, "=f,=f,f,f" + ",l" * 8, [acc[0], acc[1], w[0], w[1], w[2], w[3], x[0], x[1], x[2], x[3]],
+            INT8_ASM if CHAINS == 1 else INT8_ASM_C2, "=f,=f,f,f" + ",l" * 8, [acc[0], acc[1], w[0], w[1], w[2], w[3], x[0], x[1], x[2], x[3]],
             dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
         acc2, acc3 = acc[2], acc[3]
     return acc0, acc1, acc2, acc3
@@ -173,11 +183,11 @@ def _block8(w, x, acc, TILES: tl.constexpr):
 
 @triton.jit
 def _block(w, x, s_at, z_at, n_blocks, ok, acc, r1, r2, FMT: tl.constexpr, HAS_ZEROS: tl.constexpr,
-           TILES: tl.constexpr):
+           TILES: tl.constexpr, CHAINS: tl.constexpr):
     if FMT == FMT_INT8:
-        return _block8(w, x, acc, TILES)
+        return _block8(w, x, acc, TILES, CHAINS)
     else:
-        return _block4(w, x, s_at, z_at, n_blocks, ok, acc, r1, r2, HAS_ZEROS, TILES)
+        return _block4(w, x, s_at, z_at, n_blocks, ok, acc, r1, r2, HAS_ZEROS, TILES, CHAINS)
 
 
 @triton.jit
@@ -185,8 +195,9 @@ def _kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, n_blocks, ld_q, half, p_
             g_ptr, h_ptr, po_ptr, FMT: tl.constexpr, WARPS: tl.constexpr, TILES: tl.constexpr, DEPTH: tl.constexpr,
             HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr,
             SHARES: tl.constexpr, NORMED: tl.constexpr, USE_PDL: tl.constexpr, WIDE: tl.constexpr,
-            X_AHEAD: tl.constexpr):
-    # WIDE: each row's 16 bytes a lane as one load (``WIDE_LOADS``); X_AHEAD: x a block ahead (``X_AHEAD``).
+            X_AHEAD: tl.constexpr, CHAINS: tl.constexpr):
+    # WIDE: each row's 16 bytes a lane as one load (``WIDE_LOADS``); X_AHEAD: x a block ahead (``X_AHEAD``);
+    # CHAINS: 2 with the block's mmas in two chains (``SPLIT_CHAINS``).
     # Epilogues (quant_gemv_epilogues.py): GATED >= 0, an activation code: act(gate) * up of a packed
     # gate/up. SHARES > 0: the dots scaled by 1 / rms of x's un-normalised row, from the n_shares
     # (<= SHARES) shares of its squares at p_ptr (n_in elements). NORMED: the residual add and the
@@ -263,10 +274,10 @@ def _kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, n_blocks, ld_q, half, p_
             ahead = _words(at + 8 * WARPS * DEPTH, ld_q, ahead_ok, r1, r2, TILES, WIDE, EVEN)
         if X_AHEAD:  # the next block's x: valid where its words are
             x_next = _xs(xb + X_STEP * WARPS, ok_1 if DEPTH >= 2 else ahead_ok, FMT)
-            acc = _block(words, x, s_at, z_at, n_blocks, ok, acc, r1, r2, FMT, HAS_ZEROS, TILES)
+            acc = _block(words, x, s_at, z_at, n_blocks, ok, acc, r1, r2, FMT, HAS_ZEROS, TILES, CHAINS)
             x = x_next
         else:
-            acc = _block(words, _xs(xb, ok, FMT), s_at, z_at, n_blocks, ok, acc, r1, r2, FMT, HAS_ZEROS, TILES)
+            acc = _block(words, _xs(xb, ok, FMT), s_at, z_at, n_blocks, ok, acc, r1, r2, FMT, HAS_ZEROS, TILES, CHAINS)
         if DEPTH == 3:
             words, ok, words_1, ok_1, words_2, ok_2 = words_1, ok_1, words_2, ok_2, ahead, ahead_ok
         elif DEPTH == 2:
@@ -278,9 +289,9 @@ def _kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, n_blocks, ld_q, half, p_
         s_at += WARPS
         z_at += WARPS
     if X_AHEAD:
-        acc = _block(words, x, s_at, z_at, n_blocks, ok, acc, r1, r2, FMT, HAS_ZEROS, TILES)
+        acc = _block(words, x, s_at, z_at, n_blocks, ok, acc, r1, r2, FMT, HAS_ZEROS, TILES, CHAINS)
     else:
-        acc = _block(words, _xs(xb, ok, FMT), s_at, z_at, n_blocks, ok, acc, r1, r2, FMT, HAS_ZEROS, TILES)
+        acc = _block(words, _xs(xb, ok, FMT), s_at, z_at, n_blocks, ok, acc, r1, r2, FMT, HAS_ZEROS, TILES, CHAINS)
     ROW_SCALE: tl.constexpr = FMT == FMT_INT8
     HAS_RSTD: tl.constexpr = SHARES > 0
     rstd = 1.0
@@ -416,5 +427,5 @@ def _launch(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, plan: t
         HAS_ZEROS=w.zeros is not None, HAS_BIAS=bias is not None,
         EVEN=UNMASKED_EVEN and w.n_blocks % warps == 0 and w.n_blocks >= depth * warps, GATED=gated,
         SHARES=0 if rms is None else next_power_of_2(shares.numel()), NORMED=normed is not None, USE_PDL=pdl,
-        WIDE=WIDE_LOADS, X_AHEAD=X_AHEAD, num_warps=warps, launch_pdl=pdl)
+        WIDE=WIDE_LOADS, X_AHEAD=X_AHEAD, CHAINS=2 if SPLIT_CHAINS else 1, num_warps=warps, launch_pdl=pdl)
     return (h, out, shares_out) if normed is not None else out

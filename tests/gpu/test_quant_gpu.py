@@ -218,11 +218,11 @@ def test_fragment_gemv_matches_reference(nk, fmt, plan, unmasked, monkeypatch):
 @pytest.mark.parametrize("plan", [(8, 1, 2), (8, 2, 1), (16, 1, 3), None], ids=str)
 @pytest.mark.parametrize("fmt", ["int4_sym", "int4_asym", "int8"])
 @pytest.mark.parametrize("nk", [(6144, 4096), (24576, 4096), (4096, 12288), (64, 4224), (32, 1152)], ids=str)
-@pytest.mark.parametrize("switch", ["WIDE_LOADS", "X_AHEAD"])
+@pytest.mark.parametrize("switch", ["WIDE_LOADS", "X_AHEAD", "SPLIT_CHAINS"])
 def test_fragment_gemv_load_switches_match_reference(switch, nk, fmt, plan, monkeypatch):
-    """``WIDE_LOADS`` (one 16-byte load a row and lane) and ``X_AHEAD`` (x a block ahead), each with the
-    unmasked loads: unmasked where the warps' blocks are even, masked where they are not (the last two
-    shapes)."""
+    """``WIDE_LOADS`` (one 16-byte load a row and lane), ``X_AHEAD`` (x a block ahead) and ``SPLIT_CHAINS``
+    (a block's mmas in two chains), each with the unmasked loads: unmasked where the warps' blocks are
+    even, masked where they are not (the last two shapes)."""
     from cudaformers.kernels import quant_gemv_mma as module
 
     monkeypatch.setattr(module, switch, True)
