@@ -18,6 +18,9 @@ each block's scale and zero point in fp32 as the block ends; int8 carries its su
 cores' accumulators and applies the row scale once. Each warp keeps ``DEPTH`` blocks of words in
 flight while it works on one (the loop unrolled by the depth, so they rotate through registers
 without moves); where every warp has the same number of blocks, ``UNMASKED_EVEN`` drops the load masks.
+Three more switches, off until measured, aim at the kernel's latency: ``WIDE_LOADS`` (a row's 16 bytes a
+lane as one read-only load), ``X_AHEAD`` (x requested a block ahead, like the weights) and ``SPLIT_CHAINS``
+(a block's dependent mmas in two chains an accumulator).
 ``default_plan`` picks warps, tiles and depth per format and layer size. On an H200 qwen3-8b's layers
 stream at 1.6-2.5 TB/s (int4) and 2.2-3.2 TB/s (int8), against 1.0-1.5 and 1.8-2.7 for the FMA GEMV
 (bench/quant_gemv_mma.py, bench/RESULTS.md runs 21-22).
