@@ -129,7 +129,7 @@ def run_ours(folder, batch, variant, check_eager) -> dict:
         skinny_gemm.ALONE_STAGES = alone_stages
         loop.LAGGED_STOP_CHECK, loop.SYNC_EVERY = True, 8
         paged_decode.BUSY_SPLIT_ABOVE, paged_decode.BUSY_SPLIT_TILES, paged_decode.BUSY_STAGES = 2048, 3, 4
-        paged_decode.LATENCY_WARPS, paged_decode.LATENCY_KEYS, paged_decode.LATENCY_STAGES = 4, 0, 2
+        paged_decode.LATENCY_WARPS, paged_decode.LATENCY_KEYS, paged_decode.LATENCY_STAGES = 4, 64, 2
         greedy_advance.ONE_LAUNCH = True
         paged_decode.default_tiling.cache_clear()
     weight_bytes = sum(p.numel() * p.element_size() for p in set(model.parameters()))

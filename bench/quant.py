@@ -262,9 +262,9 @@ def bench_decode(shape, methods, bw, env, json_path) -> list[dict]:
             fragment.X_AHEAD = "xahead" in switches  # x a block ahead
             fragment.SPLIT_CHAINS = "chains" in switches  # a block's mmas in two chains
             norm_fold.NORM_FOLD = "fold" in switches  # the norms inside the GEMVs around them
-            # the batch-1 paged decode in 4 warps of 64-key tiles, 3 stages (bench/generate.py's lat4.64.3)
+            # the batch-1 paged decode in 4 warps of 32 KB K tiles, 2 stages: the tiling before run 23
             paged_decode.LATENCY_WARPS, paged_decode.LATENCY_KEYS, paged_decode.LATENCY_STAGES = (
-                (4, 64, 3) if "lat" in switches else (4, 0, 2))
+                (4, 0, 2) if "lat" in switches else (4, 64, 2))
             paged_decode.default_tiling.cache_clear()
             model, load_s = timed(lambda: AutoModelForCausalLM.from_pretrained(
                 folder, dtype=torch.bfloat16, device_map="cuda", quantization_config=method_config(base_method),

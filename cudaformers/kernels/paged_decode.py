@@ -52,10 +52,11 @@ MAX_SPLITS = 64
 # this many tiles, each program keeping BUSY_STAGES - 1 tiles in flight (default_tiling).
 BUSY_SPLIT_ABOVE, BUSY_SPLIT_TILES, BUSY_STAGES = 2048, 3, 4
 # Grids of fewer programs than SMs (decode at batch 1): warps, keys a tile (0: 32 KB of K at bf16) and
-# stages. At qwen3-0.6b's shapes, specialised as a launch is (aligned pointers), none of the candidates
-# spills on sm_90: the default 158-168 registers a thread, 8 warps of 64-key tiles 80; which is faster
-# has not been measured (bench/generate.py "latW.N.S").
-LATENCY_WARPS, LATENCY_KEYS, LATENCY_STAGES = 4, 0, 2
+# stages. W1 on an H200 (bench/generate.py "latW.N.S", bench/RESULTS.md run 23): 4 warps of 64-key tiles
+# in 2 stages 1,518 tok/s, 3 stages 1,507-1,509, 4 stages 1,473; 32-key tiles 1,463, 128-key (the
+# former default, 32 KB of K) 1,452, 8 warps of 64-key tiles 1,407: smaller tiles split a short context
+# over more programs, each with fewer keys in its chain.
+LATENCY_WARPS, LATENCY_KEYS, LATENCY_STAGES = 4, 64, 2
 # fp32 elements of partial outputs the merging program holds at once (64 registers a thread at 4 warps).
 _MERGE_ELEMENTS = 8192
 
