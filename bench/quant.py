@@ -10,9 +10,11 @@ scales) and their share of the measured copy bandwidth. tiles: the M = 1 quantiz
 BLOCK_N (the default marked), to tune ``quant_gemv.gemv_tiles``. mma: the tensor-core kernel
 (``quant_mma``) at M = 1 and 16 over its tilings, with and without its PTX unpack, beside the kernel it
 replaces. Decode methods may end in switches: ``_fma`` (the FMA GEMV instead of the tensor-core kernel), ``_dot``
-(batch 1 without the fragment GEMV), ``_gated`` (``quant_gemv_mma.GATED``: gate/up's act-and-mul in the fragment
-GEMV), ``_unmasked`` (``quant_gemv_mma.UNMASKED_EVEN``), ``_fold`` (``quant_norm_fold.NORM_FOLD``), ``_lat``
-(the batch-1 paged decode in 8 warps of 64-key tiles), e.g. ``int4_gated_fold``. decode: W1/W2 (generate, batch 1,
+(batch 1 without the fragment GEMV), ``_gated`` / ``_nogated`` (``quant_gemv_mma.GATED`` for both formats or
+none: gate/up's act-and-mul in the fragment GEMV; by default int4 only), ``_unmasked``
+(``quant_gemv_mma.UNMASKED_EVEN``), ``_wide`` / ``_nowide`` (``WIDE_LOADS``, on by default), ``_xahead``,
+``_chains`` (``X_AHEAD``, ``SPLIT_CHAINS``), ``_fold`` (``quant_norm_fold.NORM_FOLD``), ``_lat`` (the batch-1
+paged decode's tiling before run 23: 32 KB K tiles), e.g. ``int4_nogated_nowide``. decode: W1/W2 (generate, batch 1,
 128-token prompt, 256 new tokens, greedy; triton attention and use_kernels=True for every method, bf16 too) per method
 on the same saved random weights, with peak memory. qlora: one NF4 + LoRA (r 16, all linear layers)
 training step on qwen3-8b shapes at batch 1 x 2048 with gradient checkpointing: peak memory (goal <= 12 GiB) and step time. Each case runs in its own
@@ -226,7 +228,7 @@ def bench_mma(methods, bw, env, json_path, tilings=None, ms=(1, 16)) -> list[dic
     return rows
 
 
-SWITCHES = ("fma", "dot", "gated", "unmasked", "fold", "lat", "wide", "xahead", "chains")
+SWITCHES = ("fma", "dot", "gated", "nogated", "unmasked", "fold", "lat", "wide", "nowide", "xahead", "chains")
 
 
 def method_switches(method: str) -> tuple[str, set[str]]:
@@ -250,15 +252,17 @@ def bench_decode(shape, methods, bw, env, json_path) -> list[dict]:
     from cudaformers.kernels import paged_decode
     from cudaformers.kernels import quant_norm_fold as norm_fold
 
+    defaults = fragment.GATED, fragment.WIDE_LOADS  # what a method without those switches runs
     for method in methods:
         try:
             _free()
             base_method, switches = method_switches(method)
             qm.USE_MMA = "fma" not in switches  # the FMA GEMV instead of the tensor-core kernel
             qm.USE_FRAGMENT_GEMV = "dot" not in switches  # batch 1 without the fragment GEMV
-            fragment.GATED = "gated" in switches  # gate/up's act-and-mul in the fragment GEMV
+            # gate/up's act-and-mul in the fragment GEMV: both formats, none, or the default's
+            fragment.GATED = ("int4", "int8") if "gated" in switches else () if "nogated" in switches else defaults[0]
             fragment.UNMASKED_EVEN = "unmasked" in switches  # its loads without masks
-            fragment.WIDE_LOADS = "wide" in switches  # its weights 16 bytes a load
+            fragment.WIDE_LOADS = "wide" in switches or ("nowide" not in switches and defaults[1])  # 16 bytes a load
             fragment.X_AHEAD = "xahead" in switches  # x a block ahead
             fragment.SPLIT_CHAINS = "chains" in switches  # a block's mmas in two chains
             norm_fold.NORM_FOLD = "fold" in switches  # the norms inside the GEMVs around them

@@ -155,7 +155,7 @@ def test_quantized_row_runs_gate_up_and_activation_in_one_launch(name, plan, mon
     with torch.no_grad():
         want = model(ids).logits  # switched off: the packed GEMV's reference, then the act-and-mul kernel
         assert not gated and len(act_launches) == len(model.model.layers)
-        monkeypatch.setattr(fragment, "GATED", True)
+        monkeypatch.setattr(fragment, "GATED", ("int8",))
         act_launches.clear()
         got = model(ids).logits
     assert gated == ["silu"] * len(model.model.layers) and not act_launches

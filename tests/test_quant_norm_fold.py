@@ -56,7 +56,7 @@ def test_one_row_folds_the_norm_with_the_unfused_results(name, gated, emulated, 
         want = model(ids).logits
         assert not emulated
         monkeypatch.setattr(fold, "NORM_FOLD", True)
-        monkeypatch.setattr(fragment, "GATED", gated)
+        monkeypatch.setattr(fragment, "GATED", ("int8",) if gated else ())
         got = model(ids).logits
     layers = len(model.model.layers)
     assert len(emulated) == layers and len(outs) == 2 * layers  # hooked down projections: no handoff
@@ -77,7 +77,7 @@ def test_down_projection_hands_the_next_layer_its_normed_input(name, gated, emul
     with torch.no_grad():
         want = _final_hidden(model, ids)
         monkeypatch.setattr(fold, "NORM_FOLD", True)
-        monkeypatch.setattr(fragment, "GATED", gated)
+        monkeypatch.setattr(fragment, "GATED", ("int8",) if gated else ())
         got = _final_hidden(model, ids)
     layers = len(model.model.layers)
     assert len(emulated) == 2 * layers - 1
@@ -118,7 +118,7 @@ def test_generate_folds_every_decode_step(emulated, monkeypatch):
     prompt pass does not."""
     model = _model()
     monkeypatch.setattr(fold, "NORM_FOLD", True)
-    monkeypatch.setattr(fragment, "GATED", True)
+    monkeypatch.setattr(fragment, "GATED", ("int8",))
     ids = torch.randint(3, 211, (1, 5), generator=torch.Generator().manual_seed(6))
     out = model.generate(ids, max_new_tokens=4, do_sample=False, eos_token_id=None)
     assert out.shape == (1, 9)

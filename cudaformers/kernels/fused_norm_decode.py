@@ -75,7 +75,7 @@ def describe() -> str:
     if quant_norm_fold.NORM_FOLD:
         parts.append("int4/int8 layers at one row: the norms folded around the fragment GEMVs")
     if quant_gemv_mma.GATED:
-        parts.append("int4/int8 gate/up at one row: act(gate) * up in the GEMV")
+        parts.append(f"{'/'.join(quant_gemv_mma.GATED)} gate/up at one row: act(gate) * up in the GEMV")
     return "; ".join(parts)
 
 

@@ -63,16 +63,17 @@ DEPTHS = (1, 2, 3)  # blocks of weights a warp has in flight while it works on o
 # Where every warp has the same number of blocks, load without masks (EVEN in the kernel): 9-18% fewer
 # instructions a block in sm_90 SASS. Off until it has run on a GPU (bench/RESULTS.md, "Not yet run").
 UNMASKED_EVEN = False
-# A quantized model's packed gate/up at one row as one launch with the act-and-mul in its epilogue
-# (``act`` of ``quant_gemv_mma``, through ``hub._gated_quant``): the same GEMV work and one launch fewer
-# a layer, bit for bit the unfused result. Off until it has run on a GPU (bench/RESULTS.md, "Not yet run").
-GATED = False
+# The formats whose packed gate/up at one row runs as one launch with the act-and-mul in its epilogue
+# (``act`` of ``quant_gemv_mma``, through ``hub._gated_quant``): the same GEMV work and one launch fewer a
+# layer, bit for bit the unfused result. qwen3-8b decode on an H200 (bench/RESULTS.md run 23): int4
+# 406-411 -> 419-425 tok/s; int8 303 -> 296, so int8 keeps the two launches.
+GATED = ("int4",)
 # A lane's 16 bytes of a row as one load (``ld.global.nc.L1::no_allocate.v2.u64``: the read-only path,
 # not kept in L1, since each weight is read once) instead of two 8-byte loads, each of which touches half
 # of the same two sectors: half the load instructions and requests for the weights (sm_90 SASS:
-# LDG.E.NA.128.CONSTANT for LDG.E.64 pairs). Off until it has run on a GPU (bench/RESULTS.md, "Not yet
-# run"); bench/quant.py's ``_wide``.
-WIDE_LOADS = False
+# LDG.E.NA.128.CONSTANT for LDG.E.64 pairs). qwen3-8b decode on an H200 (run 23): int4 with the gated
+# GEMV 425 -> 431 tok/s, int8 308 -> 309.
+WIDE_LOADS = True
 # Each block's x requested one block ahead, as its weights are (they are loaded after the wait for the
 # producer, and each is an L1/L2 round trip the block's first mma waits for): 8 (int4) or 4 (int8) more
 # int64 registers a lane. Off until it has run on a GPU; bench/quant.py's ``_xahead``.

@@ -7,8 +7,8 @@ step. The norms are two of them. Folded, the GEMV before a norm (the output proj
 projection, for the next layer's input norm) ends with the residual add, writes the residual stream
 ``h`` and ``gamma * h``, and leaves each program's share of ``sum(h^2)``; the GEMV after it (packed
 gate/up; the next layer's packed q/k/v) reads ``gamma * h`` as its x and scales its dots by
-``1 / rms(h)`` from the shares (``quant_gemv_epilogues.py``). With ``quant_gemv_mma.GATED`` gate/up
-also applies the activation. A layer then runs q/k/v, q/k norm + rotary, attention, o, gate/up, down.
+``1 / rms(h)`` from the shares (``quant_gemv_epilogues.py``). For the formats in ``quant_gemv_mma.GATED``
+gate/up also applies the activation. A layer then runs q/k/v, q/k norm + rotary, attention, o, gate/up, down.
 
 Across layers the handoff keeps the layer contract: the down projection returns ``(h, None)``, which
 any next layer reads as the whole residual stream (as the first layer reads the embeddings), and
@@ -191,7 +191,7 @@ def quant_post_norm_forward(layer, hidden: torch.Tensor, residual: torch.Tensor 
     packed, act = mlp.packed_gate_up, mlp.act_fn
     gu = packed.layer
     rms = (shares, norm.variance_epsilon)
-    fused_act = GATED and _runs_act_kernel(act) and packed.sizes[0] * 2 == gu.out_features
+    fused_act = gu.packed().fmt in GATED and _runs_act_kernel(act) and packed.sizes[0] * 2 == gu.out_features
     if fused_act:
         inner = quant_gemv_mma(gamma_h, gu.packed(), gu.bias, act=act.name, rms=rms)
     else:

@@ -334,7 +334,7 @@ def test_quantized_decode_with_gated_gemv_gives_the_same_tokens(method, monkeypa
     calls = []
     real = fragment.quant_gemv_mma
     monkeypatch.setattr(fragment, "quant_gemv_mma", lambda *a, **k: calls.append(k.get("act")) or real(*a, **k))
-    monkeypatch.setattr(fragment, "GATED", True)
+    monkeypatch.setattr(fragment, "GATED", ("int4", "int8"))
     model.__dict__.pop("_decode_runners", None)  # graphs captured without the switch
     got = model.generate(ids, **kw)
     eager = model.generate(ids, use_cuda_graph=False, **kw)
@@ -360,7 +360,7 @@ def test_quantized_decode_with_the_norms_folded(method, gated, monkeypatch):
     real = fragment.quant_gemv_mma_normed
     monkeypatch.setattr(fragment, "quant_gemv_mma_normed", lambda *a, **k: normed.append(1) or real(*a, **k))
     monkeypatch.setattr(quant_norm_fold, "NORM_FOLD", True)
-    monkeypatch.setattr(fragment, "GATED", gated)
+    monkeypatch.setattr(fragment, "GATED", ("int4", "int8") if gated else ())
     with torch.no_grad():
         got = model(ids).logits.float()
     assert len(normed) == 3
