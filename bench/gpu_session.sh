@@ -138,20 +138,14 @@ for part in "${parts[@]}"; do
     l2-upside) run l2-upside 60 python3 bench/l2_upside.py ;;
     # The switches not yet measured (bench/RESULTS.md "Not yet run on a GPU"): the fragment GEMV's unmasked
     # loads, then the batch-1 paged decode's spill-free tiles, alone and with qk_norm_rope fused in.
-    unmasked-ab) run unmasked-bench 100 python3 bench/quant_gemv_mma.py --unmasked
-                 run wide-bench 100 python3 bench/quant_gemv_mma.py --unmasked --wide
-                 run xahead-bench 100 python3 bench/quant_gemv_mma.py --unmasked --xahead
-                 run chains-bench 100 python3 bench/quant_gemv_mma.py --unmasked --chains
-                 run unmasked-decode 160 python3 bench/quant.py --parts decode --shapes qwen3-8b --methods \
-                   bf16,int4_unmasked,int4_unmasked_wide_xahead_chains,int8_unmasked,int8_unmasked_wide_xahead_chains \
-                   --json "$OUT/results.jsonl" ;;
+    unmasked-ab) run unmasked-bench 200 python3 bench/quant_gemv_mma.py --unmasked
+                 run unmasked-decode 200 python3 bench/quant.py --parts decode --shapes qwen3-8b --methods \
+                   bf16,int4,int4_unmasked,int8,int8_unmasked --json "$OUT/results.jsonl" ;;
     quant-gated-tests) run quant-gated-tests 240 python3 -m pytest -q -rfE --tb=line -m gpu -p no:cacheprovider -n 8 \
                          tests/gpu/test_quant_gpu.py -k "gated or normed or folded or load_switches" ;;
     quant-gated-ab) run quant-folds 60 python3 bench/quant_gemv_mma.py --folds
-                    run quant-gated-ab 480 python3 bench/quant.py --parts decode --shapes qwen3-8b --methods \
-                      bf16,int4,int4_gated,int4_gated_fold,int4_gated_fold_lat,int4_gated_fold_unmasked_wide_xahead,\
-int4_gated_fold_unmasked_wide_xahead_chains,int4_head_gated_fold_unmasked,int8,int8_gated_fold,\
-int8_gated_fold_unmasked_wide_xahead,int8_gated_fold_unmasked_wide_xahead_chains,int8_head_gated_fold_unmasked,bf16 \
+                    run quant-gated-ab 420 python3 bench/quant.py --parts decode --shapes qwen3-8b --methods \
+                      bf16,int4,int4_nogated,int4_nowide,int4_fold,int4_head,int8,int8_gated,int8_fold,int8_head,bf16 \
                       --json "$OUT/results.jsonl" ;;
     lat-ab) run lat-ab 300 python3 bench/generate.py --skip-hf --workloads W1 --check-eager --variants \
               triton+kernels,triton+kernels+lat8.64.3,triton+kernels+fuseattnpdl+lat8.64.3,triton+kernels+lat4.64.3,\

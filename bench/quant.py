@@ -12,8 +12,8 @@ BLOCK_N (the default marked), to tune ``quant_gemv.gemv_tiles``. mma: the tensor
 replaces. Decode methods may end in switches: ``_fma`` (the FMA GEMV instead of the tensor-core kernel), ``_dot``
 (batch 1 without the fragment GEMV), ``_gated`` / ``_nogated`` (``quant_gemv_mma.GATED`` for both formats or
 none: gate/up's act-and-mul in the fragment GEMV; by default int4 only), ``_unmasked``
-(``quant_gemv_mma.UNMASKED_EVEN``), ``_wide`` / ``_nowide`` (``WIDE_LOADS``, on by default), ``_xahead``,
-``_chains`` (``X_AHEAD``, ``SPLIT_CHAINS``), ``_fold`` (``quant_norm_fold.NORM_FOLD``), ``_lat`` (the batch-1
+(``quant_gemv_mma.UNMASKED_EVEN``), ``_wide`` / ``_nowide`` (``WIDE_LOADS``, on by default), ``_fold``
+(``quant_norm_fold.NORM_FOLD``), ``_lat`` (the batch-1
 paged decode's tiling before run 23: 32 KB K tiles), e.g. ``int4_nogated_nowide``. decode: W1/W2 (generate, batch 1,
 128-token prompt, 256 new tokens, greedy; triton attention and use_kernels=True for every method, bf16 too) per method
 on the same saved random weights, with peak memory. qlora: one NF4 + LoRA (r 16, all linear layers)
@@ -228,7 +228,7 @@ def bench_mma(methods, bw, env, json_path, tilings=None, ms=(1, 16)) -> list[dic
     return rows
 
 
-SWITCHES = ("fma", "dot", "gated", "nogated", "unmasked", "fold", "lat", "wide", "nowide", "xahead", "chains")
+SWITCHES = ("fma", "dot", "gated", "nogated", "unmasked", "fold", "lat", "wide", "nowide")
 
 
 def method_switches(method: str) -> tuple[str, set[str]]:
@@ -263,8 +263,6 @@ def bench_decode(shape, methods, bw, env, json_path) -> list[dict]:
             fragment.GATED = ("int4", "int8") if "gated" in switches else () if "nogated" in switches else defaults[0]
             fragment.UNMASKED_EVEN = "unmasked" in switches  # its loads without masks
             fragment.WIDE_LOADS = "wide" in switches or ("nowide" not in switches and defaults[1])  # 16 bytes a load
-            fragment.X_AHEAD = "xahead" in switches  # x a block ahead
-            fragment.SPLIT_CHAINS = "chains" in switches  # a block's mmas in two chains
             norm_fold.NORM_FOLD = "fold" in switches  # the norms inside the GEMVs around them
             # the batch-1 paged decode in 4 warps of 32 KB K tiles, 2 stages: the tiling before run 23
             paged_decode.LATENCY_WARPS, paged_decode.LATENCY_KEYS, paged_decode.LATENCY_STAGES = (

@@ -1,7 +1,7 @@
 """The fragment GEMV (``kernels/quant_gemv_mma.py``, int4 and int8) against the kernels it replaced, on
 qwen3-8b's layers at batch 1 (q/k/v and gate/up packed), weights read from HBM (copies cycled past L2).
 
-    python bench/quant_gemv_mma.py [--formats int4,int8] [--unmasked] [--wide] [--xahead] [--chains] [--folds]
+    python bench/quant_gemv_mma.py [--formats int4,int8] [--unmasked] [--nowide] [--folds]
 
 us per call in a CUDA graph of 50 calls (PDL as in decode; best of five replays), and the packed bytes' rate;
 the bf16 GEMV of the same layer for scale. Fragment variants are (warps, tiles a warp, blocks in flight).
@@ -50,9 +50,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--formats", default="int4,int8")
     ap.add_argument("--unmasked", action="store_true", help="loads without masks where the blocks divide evenly")
-    ap.add_argument("--wide", action="store_true", help="each row's 16 bytes a lane as one load (WIDE_LOADS)")
-    ap.add_argument("--xahead", action="store_true", help="x loaded a block ahead (X_AHEAD)")
-    ap.add_argument("--chains", action="store_true", help="a block's mmas in two chains (SPLIT_CHAINS)")
+    ap.add_argument("--nowide", action="store_true", help="the weights as 8-byte loads (WIDE_LOADS off)")
     ap.add_argument("--folds", action="store_true", help="the gated and normed folds against their launches")
     args = ap.parse_args()
     if args.folds:
@@ -65,9 +63,7 @@ def main() -> None:
     from cudaformers.kernels.quant_gemv_mma import default_plan, quant_gemv_mma
 
     module.UNMASKED_EVEN = args.unmasked
-    module.WIDE_LOADS = args.wide
-    module.X_AHEAD = args.xahead
-    module.SPLIT_CHAINS = args.chains
+    module.WIDE_LOADS = not args.nowide
 
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     total: dict[str, float] = {}

@@ -101,8 +101,6 @@ def run_warp(asm: str, args: list[list[int]]) -> list[dict[int, int | float]]:
                 r = val(regs, ops[1])
             elif op == "prmt.b32":
                 r = prmt(val(regs, ops[1]), val(regs, ops[2]), val(regs, ops[3]))
-            elif op == "add.f32":  # fp32 accumulators are kept in float64 here, as the mma's are
-                r = val(regs, ops[1]) + val(regs, ops[2])
             elif op == "shr.u32":
                 r = val(regs, ops[1]) >> val(regs, ops[2])
             elif op == "lop3.b32":

@@ -49,20 +49,10 @@ def _matches(out, want, xsum) -> bool:
                for lane, (*dots, s) in enumerate(out))
 
 
-@pytest.mark.parametrize("chains", [1, 2])
 @pytest.mark.parametrize("tiles", [1, 2])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_block_ptx_is_the_dot_product_over_the_plane_packing(seed, tiles, chains):
-    assert _matches(*_block_case(seed, tiles, _block_asm(tiles, chains)))
-
-
-@pytest.mark.parametrize("change", [("add.f32 c0_0, c0_0, e0_0;", ""),  # the second chain's dots left out
-                                    ("add.f32 s0, s0, z0;", ""),  # its sums of x left out
-                                    ("{e0_0, e0_1, e0_2, e0_3}, {pa", "{c0_0, c0_1, c0_2, c0_3}, {pa")])
-def test_the_check_catches_a_wrong_chain_split(change):
-    asm = _block_asm(1, 2)
-    assert change[0] in asm
-    assert not _matches(*_block_case(0, 1, asm.replace(change[0], change[1], 1)))
+def test_block_ptx_is_the_dot_product_over_the_plane_packing(seed, tiles):
+    assert _matches(*_block_case(seed, tiles, _block_asm(tiles)))
 
 
 @pytest.mark.parametrize("change", [("mov.b64 {w0_0, w0_1}, $3;", "mov.b64 {w0_1, w0_0}, $3;"),  # two words
@@ -107,14 +97,10 @@ def _int8_matches(out, want) -> bool:
                for i, d in enumerate(dots))
 
 
-@pytest.mark.parametrize("chains", [1, 2])
 @pytest.mark.parametrize("tiles", [1, 2])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_int8_block_ptx_adds_the_signed_dot_product(seed, tiles, chains):
-    assert _int8_matches(*_int8_case(seed, tiles, int8_block_asm(tiles, chains)))
-    if chains == 2:  # and the check can tell: the sign bits' chain left out
-        asm = int8_block_asm(tiles, 2).replace("add.f32 c0_0, c0_0, e0_0;", "")
-        assert not _int8_matches(*_int8_case(seed, tiles, asm))
+def test_int8_block_ptx_adds_the_signed_dot_product(seed, tiles):
+    assert _int8_matches(*_int8_case(seed, tiles, int8_block_asm(tiles)))
 
 
 @pytest.mark.parametrize("change", [("0xC300C300", "0x43004300"),  # the sign bit read as +128 / +256
@@ -135,7 +121,7 @@ sig = dict(x_ptr="*i64", q_ptr="*i64", s_ptr="*bf16", z_ptr="*bf16", b_ptr="*bf1
            ld_q="i32", half="i32", p_ptr="*fp32", n_shares="i32", n_in="i32", eps="fp32", r_ptr="*bf16", g_ptr="*bf16",
            h_ptr="*bf16", po_ptr="*fp32", FMT="constexpr", WARPS="constexpr", TILES="constexpr", DEPTH="constexpr",
            HAS_ZEROS="constexpr", HAS_BIAS="constexpr", EVEN="constexpr", GATED="constexpr", SHARES="constexpr",
-           NORMED="constexpr", USE_PDL="constexpr", WIDE="constexpr", X_AHEAD="constexpr", CHAINS="constexpr")
+           NORMED="constexpr", USE_PDL="constexpr", WIDE="constexpr")
 # (fmt, zero points and bias, tiles, depth, gated, shares, normed)
 for fmt, zeros, tiles, depth, gated, shares, normed in (
         (0, False, 1, 1, -1, 0, 0), (0, True, 1, 2, -1, 0, 0), (0, True, 2, 3, -1, 0, 0), (1, False, 1, 2, -1, 0, 0),
@@ -143,8 +129,7 @@ for fmt, zeros, tiles, depth, gated, shares, normed in (
         (1, False, 1, 3, 0, 0, 0), (1, True, 2, 2, 2, 0, 0), (1, False, 1, 2, 0, 256, 0), (0, True, 1, 1, -1, 0, 1)):
     src = ASTSource(m._kernel, dict(sig, s_ptr="*fp32" if fmt else "*bf16"),
                     dict(FMT=fmt, WARPS=8, TILES=tiles, DEPTH=depth, HAS_ZEROS=zeros, HAS_BIAS=zeros, EVEN=zeros or tiles == 2,
-                         GATED=gated, SHARES=shares, NORMED=bool(normed), USE_PDL=True, WIDE=tiles == 2,
-                         X_AHEAD=depth == 2, CHAINS=1 + (gated == 0)),
+                         GATED=gated, SHARES=shares, NORMED=bool(normed), USE_PDL=True, WIDE=tiles == 2),
                     {(i,): [["tt.divisibility", 16]] for i in range(6)})
     c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
     ptx = c.asm["ptx"]
@@ -191,15 +176,12 @@ def _weights(fmt: str, n: int, k: int, seed: int):
 
 
 def _launch(monkeypatch, x, w, bias, plan, act=None, even=False, rms=None, normed=None, loads=""):
-    """The kernel on the CPU; ``loads`` may name switches: "wide" (WIDE_LOADS), "xahead" (X_AHEAD), "chains"
-    (SPLIT_CHAINS)."""
+    """The kernel on the CPU; ``loads="wide"``: the weights as 16-byte loads (WIDE_LOADS), else 8-byte ones."""
     from cudaformers.kernels import quant_gemv_mma as m
 
     emulate_inline_asm(monkeypatch)
     monkeypatch.setattr(m, "UNMASKED_EVEN", even)
-    monkeypatch.setattr(m, "WIDE_LOADS", "wide" in loads)
-    monkeypatch.setattr(m, "X_AHEAD", "xahead" in loads)
-    monkeypatch.setattr(m, "SPLIT_CHAINS", "chains" in loads)
+    monkeypatch.setattr(m, "WIDE_LOADS", loads == "wide")
     return m._launch(x, w, bias, plan, act, rms, normed)
 
 
@@ -213,9 +195,7 @@ KERNEL_CASES = [("int4_sym", 32, 640, (2, 1, 1), False), ("int4_asym", 64, 256, 
                 ("int4_sym", 32, 1152, (2, 1, 3), False), ("int8", 32, 768, (2, 1, 3), True)]
 
 
-# The weights as two 8-byte loads a row and lane or one of 16 ("wide"); x loaded with its block or one ahead;
-# the mmas in one chain an accumulator or two
-@pytest.mark.parametrize("loads", ["", "wide", "xahead", "chains", "wide+xahead+chains"])
+@pytest.mark.parametrize("loads", ["", "wide"])  # the weights as two 8-byte loads a row and lane, or one of 16
 @pytest.mark.parametrize("fmt,n,k,plan,even", KERNEL_CASES, ids=str)
 def test_the_kernel_matches_the_reference_on_the_cpu(monkeypatch, fmt, n, k, plan, even, loads):
     from cudaformers.kernels.quant_matmul import quant_matmul_reference

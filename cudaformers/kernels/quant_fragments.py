@@ -50,21 +50,19 @@ def _words(tiles: int, first: int) -> tuple[str, list[str]]:
     return decl, movs
 
 
-def int4_block_asm(tiles: int = 1, chains: int = 1) -> str:
+def int4_block_asm(tiles: int = 1) -> str:
     """One int4 block of one lane over ``tiles`` 16-row tiles. Inputs (after the 2 * tiles + 1 outputs):
     per tile the lane's 4 words of rows g and g + 8 (two int64 each), then x[16 j + 4 t .. + 3] for
     j = 0..7 (int64 each). Outputs: per tile the dots of rows g and g + 8 with ``128 + code``, then the
-    block's sum of x. ``chains=2`` splits each accumulator's 8 dependent mmas into two chains of 4
-    (codes 2m, 2m + 4 and 2m + 1, 2m + 5), added at the end: half the mma latency a block waits on."""
+    block's sum of x."""
     first = 2 * tiles + 1  # the first input operand
     decl, movs = _words(tiles, first)
-    accs = [f"c{u}_<4>" for u in range(tiles)] + ([f"e{u}_<4>" for u in range(tiles)] + ["z<4>"] if chains == 2 else [])
     lines = ["{", decl, ".reg .b32 xa<16>, pa, pb, pc, pd, b0, b1, sh, one;",
-             f".reg .f32 {', '.join(accs)}, s<4>;", *movs]
+             f".reg .f32 {', '.join(f'c{u}_<4>' for u in range(tiles))}, s<4>;", *movs]
     xs = first + 4 * tiles
     lines += [f"mov.b64 {{xa{2 * j}, xa{2 * j + 1}}}, ${xs + j};" for j in range(8)]
-    lines += [f"mov.f32 {a}{u}_{i}, 0f00000000;" for a in "ce"[:chains] for u in range(tiles) for i in range(4)]
-    lines += [f"mov.f32 {a}{i}, 0f00000000;" for a in "sz"[:chains] for i in range(4)]
+    lines += [f"mov.f32 c{u}_{i}, 0f00000000;" for u in range(tiles) for i in range(4)]
+    lines += [f"mov.f32 s{i}, 0f00000000;" for i in range(4)]
     lines.append("mov.b32 one, 0x3F803F80;")
 
     def pair(word: str, p: int, out: str) -> list[str]:
@@ -82,42 +80,33 @@ def int4_block_asm(tiles: int = 1, chains: int = 1) -> str:
         for m in range(2):  # codes (2m, 2m + 4) and (2m + 1, 2m + 5) of the word
             lines.append(f"prmt.b32 b0, xa{4 * m + r // 2}, xa{4 * m + 8 + r // 2}, {sel};")
             lines.append(f"prmt.b32 b1, xa{4 * m + 2 + r // 2}, xa{4 * m + 10 + r // 2}, {sel};")
-            acc, sums = ("e", "z") if chains == 2 and m else ("c", "s")
             for u in range(tiles):
                 lines += pair(f"w{u}_{r}", 2 * m, "pa") + pair(f"v{u}_{r}", 2 * m, "pb")
                 lines += pair(f"w{u}_{r}", 2 * m + 1, "pc") + pair(f"v{u}_{r}", 2 * m + 1, "pd")
-                c = ", ".join(f"{acc}{u}_{i}" for i in range(4))
+                c = ", ".join(f"c{u}_{i}" for i in range(4))
                 lines.append(f"{MMA} {{{c}}}, {{pa, pb, pc, pd}}, {{b0, b1}}, {{{c}}};")
-            s4 = ", ".join(f"{sums}{i}" for i in range(4))
-            lines.append(f"{MMA} {{{s4}}}, {{one, one, one, one}}, {{b0, b1}}, {{{s4}}};")
-    if chains == 2:
-        lines += [f"add.f32 c{u}_{i}, c{u}_{i}, e{u}_{i};" for u in range(tiles) for i in (0, 2)]
-        lines.append("add.f32 s0, s0, z0;")
+            lines.append(f"{MMA} {{s0, s1, s2, s3}}, {{one, one, one, one}}, {{b0, b1}}, {{s0, s1, s2, s3}};")
     for u in range(tiles):
         lines += [f"mov.f32 ${2 * u}, c{u}_0;", f"mov.f32 ${2 * u + 1}, c{u}_2;"]
     lines += [f"mov.f32 ${2 * tiles}, s0;", "}"]
     return "\n".join(lines)
 
 
-def int8_block_asm(tiles: int = 1, chains: int = 1) -> str:
+def int8_block_asm(tiles: int = 1) -> str:
     """One int8 block of one lane over ``tiles`` 16-row tiles, added to running sums. Inputs (after the
     2 * tiles outputs): per tile the running sums of rows g and g + 8 (fp32), then per tile the lane's 4
     words of rows g and g + 8 (two int64 each), then x[16 j + 4 t .. + 3] for j = 0..3 (int64 each).
-    Outputs: per tile the running sums plus the block's ``q . x`` of rows g and g + 8. ``chains=2``
-    accumulates the sign bits' mmas apart (from 0, added at the end): two chains of 4 instead of 8."""
+    Outputs: per tile the running sums plus the block's ``q . x`` of rows g and g + 8."""
     sums = 2 * tiles  # the first input operand
     first = sums + 2 * tiles
     decl, movs = _words(tiles, first)
-    accs = [f"c{u}_<4>" for u in range(tiles)] + ([f"e{u}_<4>" for u in range(tiles)] if chains == 2 else [])
     lines = ["{", decl, ".reg .b32 xa<8>, pa, pb, pc, pd, pe, pf, pg, ph, be, bo, sh, sv;",
-             f".reg .f32 {', '.join(accs)};", *movs]
+             f".reg .f32 {', '.join(f'c{u}_<4>' for u in range(tiles))};", *movs]
     xs = first + 4 * tiles
     lines += [f"mov.b64 {{xa{2 * j}, xa{2 * j + 1}}}, ${xs + j};" for j in range(4)]
     for u in range(tiles):  # all 8 columns of a row hold its sum
         lines += [f"mov.f32 c{u}_0, ${sums + 2 * u};", f"mov.f32 c{u}_1, ${sums + 2 * u};",
                   f"mov.f32 c{u}_2, ${sums + 2 * u + 1};", f"mov.f32 c{u}_3, ${sums + 2 * u + 1};"]
-        if chains == 2:
-            lines += [f"mov.f32 e{u}_{i}, 0f00000000;" for i in range(4)]
 
     def split(word: str, low: str, top: str) -> list[str]:
         # bytes 0 (low half) and 2 (high half) of the word: 128 + their low 7 bits, and their sign bit
@@ -134,11 +123,8 @@ def int8_block_asm(tiles: int = 1, chains: int = 1) -> str:
             lines += [f"shr.u32 sh, w{u}_{r}, 8;", f"shr.u32 sv, v{u}_{r}, 8;"]  # bytes 1 and 3 where 0 and 2 were
             lines += split(f"w{u}_{r}", "pa", "pc") + split(f"v{u}_{r}", "pb", "pd")
             lines += split("sh", "pe", "pg") + split("sv", "pf", "ph")
-            e = c.replace("c", "e") if chains == 2 else c
             lines.append(f"{MMA} {{{c}}}, {{pa, pb, pe, pf}}, {{be, bo}}, {{{c}}};")  # the low bits
-            lines.append(f"{MMA} {{{e}}}, {{pc, pd, pg, ph}}, {{be, bo}}, {{{e}}};")  # the sign bits
-    if chains == 2:
-        lines += [f"add.f32 c{u}_{i}, c{u}_{i}, e{u}_{i};" for u in range(tiles) for i in (0, 2)]
+            lines.append(f"{MMA} {{{c}}}, {{pc, pd, pg, ph}}, {{be, bo}}, {{{c}}};")  # the sign bits
     for u in range(tiles):
         lines += [f"mov.f32 ${2 * u}, c{u}_0;", f"mov.f32 ${2 * u + 1}, c{u}_2;"]
     lines.append("}")

@@ -18,9 +18,9 @@ each block's scale and zero point in fp32 as the block ends; int8 carries its su
 cores' accumulators and applies the row scale once. Each warp keeps ``DEPTH`` blocks of words in
 flight while it works on one (the loop unrolled by the depth, so they rotate through registers
 without moves); where every warp has the same number of blocks, ``UNMASKED_EVEN`` drops the load masks.
-Three more switches, off until measured, aim at the kernel's latency: ``WIDE_LOADS`` (a row's 16 bytes a
-lane as one read-only load), ``X_AHEAD`` (x requested a block ahead, like the weights) and ``SPLIT_CHAINS``
-(a block's dependent mmas in two chains an accumulator).
+``WIDE_LOADS`` makes a row's 16 bytes a lane one read-only load. Measured slower on an H200 and removed
+(bench/RESULTS.md run 23): x requested a block ahead like the weights (-10%), and a block's dependent
+mmas in two chains an accumulator (-13%: more registers, fewer programs an SM).
 ``default_plan`` picks warps, tiles and depth per format and layer size. On an H200 qwen3-8b's layers
 stream at 1.6-2.5 TB/s (int4) and 2.2-3.2 TB/s (int8), against 1.0-1.5 and 1.8-2.7 for the FMA GEMV
 (bench/quant_gemv_mma.py, bench/RESULTS.md runs 21-22).
@@ -53,11 +53,6 @@ INT4_ASM = tl.constexpr(int4_block_asm(1))
 INT4_ASM2 = tl.constexpr(int4_block_asm(2))
 INT8_ASM = tl.constexpr(int8_block_asm(1))
 INT8_ASM2 = tl.constexpr(int8_block_asm(2))
-# The same blocks with each accumulator's dependent mmas split into two chains (quant_fragments.py).
-INT4_ASM_C2 = tl.constexpr(int4_block_asm(1, 2))
-INT4_ASM2_C2 = tl.constexpr(int4_block_asm(2, 2))
-INT8_ASM_C2 = tl.constexpr(int8_block_asm(1, 2))
-INT8_ASM2_C2 = tl.constexpr(int8_block_asm(2, 2))
 FMT_INT4, FMT_INT8 = tl.constexpr(0), tl.constexpr(1)
 DEPTHS = (1, 2, 3)  # blocks of weights a warp has in flight while it works on one
 # Where every warp has the same number of blocks, load without masks (EVEN in the kernel): 9-18% fewer
@@ -74,14 +69,6 @@ GATED = ("int4",)
 # LDG.E.NA.128.CONSTANT for LDG.E.64 pairs). qwen3-8b decode on an H200 (run 23): int4 with the gated
 # GEMV 425 -> 431 tok/s, int8 308 -> 309.
 WIDE_LOADS = True
-# Each block's x requested one block ahead, as its weights are (they are loaded after the wait for the
-# producer, and each is an L1/L2 round trip the block's first mma waits for): 8 (int4) or 4 (int8) more
-# int64 registers a lane. Off until it has run on a GPU; bench/quant.py's ``_xahead``.
-X_AHEAD = False
-# A block's mmas in two dependent chains a accumulator instead of one (8 deep for int4, 8 for int8's low
-# and sign bits), added at the end: half the mma latency each block waits on, for 4-8 more registers and
-# 2-5 adds a block. Off until it has run on a GPU; bench/quant.py's ``_chains``.
-SPLIT_CHAINS = False
 _PAIR = tl.constexpr("ld.global.nc.L1::no_allocate.v2.u64 {$0, $1}, [$2];")
 _PAIR_IF = tl.constexpr("{ .reg .pred p; setp.ne.b32 p, $3, 0; mov.b64 $0, 0; mov.b64 $1, 0; "
                         "@p ld.global.nc.L1::no_allocate.v2.u64 {$0, $1}, [$2]; }")
@@ -146,20 +133,19 @@ def _xs(xb, ok, FMT: tl.constexpr):
 
 
 @triton.jit
-def _block4(w, x, s_at, z_at, n_blocks, ok, acc, r1, r2, HAS_ZEROS: tl.constexpr, TILES: tl.constexpr,
-            CHAINS: tl.constexpr):
+def _block4(w, x, s_at, z_at, n_blocks, ok, acc, r1, r2, HAS_ZEROS: tl.constexpr, TILES: tl.constexpr):
     """``acc += s * (w - z) . x`` over one int4 block for the lane's rows (as ``_words``); ``x`` the
     lane's pieces of x (``_xs``), ``s_at``/``z_at`` at row g's scale (zero point) of the block."""
     if TILES == 2:
         d0, d1, d2, d3, xs = tl.inline_asm_elementwise(
-            INT4_ASM2 if CHAINS == 1 else INT4_ASM2_C2, "=f,=f,=f,=f,=f" + ",l" * 16,
+            INT4_ASM2, "=f,=f,=f,=f,=f" + ",l" * 16,
             [w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7], x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7]],
             dtype=(tl.float32, tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
         acc2 = acc[2] + _scaled(d2, xs, s_at + r2 * n_blocks, z_at + r2 * n_blocks, ok, HAS_ZEROS)
         acc3 = acc[3] + _scaled(d3, xs, s_at + (r2 + r1) * n_blocks, z_at + (r2 + r1) * n_blocks, ok, HAS_ZEROS)
     else:
         d0, d1, xs = tl.inline_asm_elementwise(
-            INT4_ASM if CHAINS == 1 else INT4_ASM_C2, "=f,=f,=f" + ",l" * 12,
+            INT4_ASM, "=f,=f,=f" + ",l" * 12,
             [w[0], w[1], w[2], w[3], x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7]],
             dtype=(tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
         acc2, acc3 = acc[2], acc[3]
@@ -169,17 +155,17 @@ def _block4(w, x, s_at, z_at, n_blocks, ok, acc, r1, r2, HAS_ZEROS: tl.constexpr
 
 
 @triton.jit
-def _block8(w, x, acc, TILES: tl.constexpr, CHAINS: tl.constexpr):
+def _block8(w, x, acc, TILES: tl.constexpr):
     """``acc += q . x`` over one int8 block for the lane's rows, through the tensor cores' accumulators
     (the row scale comes at the end); ``x`` as in ``_block4`` (0 outside the K range)."""
     if TILES == 2:
         acc0, acc1, acc2, acc3 = tl.inline_asm_elementwise(
-            INT8_ASM2 if CHAINS == 1 else INT8_ASM2_C2, "=f,=f,=f,=f,f,f,f,f" + ",l" * 12,
+            INT8_ASM2, "=f,=f,=f,=f,f,f,f,f" + ",l" * 12,
             [acc[0], acc[1], acc[2], acc[3], w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7], x[0], x[1], x[2],
              x[3]], dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
     else:
         acc0, acc1 = tl.inline_asm_elementwise(
-            INT8_ASM if CHAINS == 1 else INT8_ASM_C2, "=f,=f,f,f" + ",l" * 8, [acc[0], acc[1], w[0], w[1], w[2], w[3], x[0], x[1], x[2], x[3]],
+            INT8_ASM, "=f,=f,f,f" + ",l" * 8, [acc[0], acc[1], w[0], w[1], w[2], w[3], x[0], x[1], x[2], x[3]],
             dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
         acc2, acc3 = acc[2], acc[3]
     return acc0, acc1, acc2, acc3
@@ -187,21 +173,19 @@ def _block8(w, x, acc, TILES: tl.constexpr, CHAINS: tl.constexpr):
 
 @triton.jit
 def _block(w, x, s_at, z_at, n_blocks, ok, acc, r1, r2, FMT: tl.constexpr, HAS_ZEROS: tl.constexpr,
-           TILES: tl.constexpr, CHAINS: tl.constexpr):
+           TILES: tl.constexpr):
     if FMT == FMT_INT8:
-        return _block8(w, x, acc, TILES, CHAINS)
+        return _block8(w, x, acc, TILES)
     else:
-        return _block4(w, x, s_at, z_at, n_blocks, ok, acc, r1, r2, HAS_ZEROS, TILES, CHAINS)
+        return _block4(w, x, s_at, z_at, n_blocks, ok, acc, r1, r2, HAS_ZEROS, TILES)
 
 
 @triton.jit
 def _kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, n_blocks, ld_q, half, p_ptr, n_shares, n_in, eps, r_ptr,
             g_ptr, h_ptr, po_ptr, FMT: tl.constexpr, WARPS: tl.constexpr, TILES: tl.constexpr, DEPTH: tl.constexpr,
             HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr,
-            SHARES: tl.constexpr, NORMED: tl.constexpr, USE_PDL: tl.constexpr, WIDE: tl.constexpr,
-            X_AHEAD: tl.constexpr, CHAINS: tl.constexpr):
-    # WIDE: each row's 16 bytes a lane as one load (``WIDE_LOADS``); X_AHEAD: x a block ahead (``X_AHEAD``);
-    # CHAINS: 2 with the block's mmas in two chains (``SPLIT_CHAINS``).
+            SHARES: tl.constexpr, NORMED: tl.constexpr, USE_PDL: tl.constexpr, WIDE: tl.constexpr):
+    # WIDE: each row's 16 bytes a lane as one load (``WIDE_LOADS``).
     # Epilogues (quant_gemv_epilogues.py): GATED >= 0, an activation code: act(gate) * up of a packed
     # gate/up. SHARES > 0: the dots scaled by 1 / rms of x's un-normalised row, from the n_shares
     # (<= SHARES) shares of its squares at p_ptr (n_in elements). NORMED: the residual add and the
@@ -264,9 +248,6 @@ def _kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, n_blocks, ld_q, half, p_
     if SHARES > 0:  # read now, summed at the end
         i = tl.arange(0, SHARES)
         shares = tl.load(p_ptr + i, mask=i < n_shares, other=0.0)
-    # X_AHEAD: x one block ahead too (its loads come after the wait, each an L1/L2 round trip).
-    if X_AHEAD:
-        x = _xs(xb, ok, FMT)
     # Unrolled DEPTH times, the blocks in flight rotate through registers without moves.
     for step in tl.range(1, steps, loop_unroll_factor=DEPTH):
         if EVEN:
@@ -276,12 +257,7 @@ def _kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, n_blocks, ld_q, half, p_
         else:
             ahead_ok = warp + (step + DEPTH - 1) * WARPS < n_blocks
             ahead = _words(at + 8 * WARPS * DEPTH, ld_q, ahead_ok, r1, r2, TILES, WIDE, EVEN)
-        if X_AHEAD:  # the next block's x: valid where its words are
-            x_next = _xs(xb + X_STEP * WARPS, ok_1 if DEPTH >= 2 else ahead_ok, FMT)
-            acc = _block(words, x, s_at, z_at, n_blocks, ok, acc, r1, r2, FMT, HAS_ZEROS, TILES, CHAINS)
-            x = x_next
-        else:
-            acc = _block(words, _xs(xb, ok, FMT), s_at, z_at, n_blocks, ok, acc, r1, r2, FMT, HAS_ZEROS, TILES, CHAINS)
+        acc = _block(words, _xs(xb, ok, FMT), s_at, z_at, n_blocks, ok, acc, r1, r2, FMT, HAS_ZEROS, TILES)
         if DEPTH == 3:
             words, ok, words_1, ok_1, words_2, ok_2 = words_1, ok_1, words_2, ok_2, ahead, ahead_ok
         elif DEPTH == 2:
@@ -292,10 +268,7 @@ def _kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, n_blocks, ld_q, half, p_
         xb += X_STEP * WARPS
         s_at += WARPS
         z_at += WARPS
-    if X_AHEAD:
-        acc = _block(words, x, s_at, z_at, n_blocks, ok, acc, r1, r2, FMT, HAS_ZEROS, TILES, CHAINS)
-    else:
-        acc = _block(words, _xs(xb, ok, FMT), s_at, z_at, n_blocks, ok, acc, r1, r2, FMT, HAS_ZEROS, TILES, CHAINS)
+    acc = _block(words, _xs(xb, ok, FMT), s_at, z_at, n_blocks, ok, acc, r1, r2, FMT, HAS_ZEROS, TILES)
     ROW_SCALE: tl.constexpr = FMT == FMT_INT8
     HAS_RSTD: tl.constexpr = SHARES > 0
     rstd = 1.0
@@ -431,5 +404,5 @@ def _launch(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, plan: t
         HAS_ZEROS=w.zeros is not None, HAS_BIAS=bias is not None,
         EVEN=UNMASKED_EVEN and w.n_blocks % warps == 0 and w.n_blocks >= depth * warps, GATED=gated,
         SHARES=0 if rms is None else next_power_of_2(shares.numel()), NORMED=normed is not None, USE_PDL=pdl,
-        WIDE=WIDE_LOADS, X_AHEAD=X_AHEAD, CHAINS=2 if SPLIT_CHAINS else 1, num_warps=warps, launch_pdl=pdl)
+        WIDE=WIDE_LOADS, num_warps=warps, launch_pdl=pdl)
     return (h, out, shares_out) if normed is not None else out

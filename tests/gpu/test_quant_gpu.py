@@ -211,21 +211,20 @@ def test_qlora_step_bf16():
 def test_fragment_gemv_matches_reference(nk, fmt, plan, unmasked, monkeypatch):
     from cudaformers.kernels import quant_gemv_mma as module
 
-    monkeypatch.setattr(module, "UNMASKED_EVEN", unmasked)
+    monkeypatch.setattr(module, "UNMASKED_EVEN", unmasked)  # the weights' loads as by default (WIDE_LOADS)
     _fragment_gemv_matches(nk, fmt, plan)
 
 
 @pytest.mark.parametrize("plan", [(8, 1, 2), (8, 2, 1), (16, 1, 3), None], ids=str)
 @pytest.mark.parametrize("fmt", ["int4_sym", "int4_asym", "int8"])
 @pytest.mark.parametrize("nk", [(6144, 4096), (24576, 4096), (4096, 12288), (64, 4224), (32, 1152)], ids=str)
-@pytest.mark.parametrize("switch", ["WIDE_LOADS", "X_AHEAD", "SPLIT_CHAINS"])
-def test_fragment_gemv_load_switches_match_reference(switch, nk, fmt, plan, monkeypatch):
-    """``WIDE_LOADS`` (one 16-byte load a row and lane), ``X_AHEAD`` (x a block ahead) and ``SPLIT_CHAINS``
-    (a block's mmas in two chains), each with the unmasked loads: unmasked where the warps' blocks are
-    even, masked where they are not (the last two shapes)."""
+@pytest.mark.parametrize("wide", [False, True])
+def test_fragment_gemv_load_switches_match_reference(wide, nk, fmt, plan, monkeypatch):
+    """``WIDE_LOADS`` (one 16-byte load a row and lane) off and on, with the unmasked loads: unmasked
+    where the warps' blocks are even, masked where they are not (the last two shapes)."""
     from cudaformers.kernels import quant_gemv_mma as module
 
-    monkeypatch.setattr(module, switch, True)
+    monkeypatch.setattr(module, "WIDE_LOADS", wide)
     monkeypatch.setattr(module, "UNMASKED_EVEN", True)
     _fragment_gemv_matches(nk, fmt, plan)
 
