@@ -23,8 +23,8 @@ logger = logging.getLogger("cudaformers")
 # The step's inputs in one Triton launch where Triton runs; off, the torch ops and the model's own
 # rotary (bench/generate.py's "+torchinputs" variant, for an A/B of the launch it saves).
 STEP_INPUTS_KERNEL = True
-# Greedy decode steps one graph replay runs where the loop allows (1: a replay a step). Off until
-# measured on a GPU (bench/generate.py's "graphstepsN" variants, bench/RESULTS.md "Not yet run").
+# Greedy decode steps one graph replay runs where the loop allows (1: a replay a step). 4 and 8 were
+# worth nothing measurable on an H200 (W1 +0.1-0.3%, bench/RESULTS.md run 23), so one.
 STEPS_PER_GRAPH = 1
 
 

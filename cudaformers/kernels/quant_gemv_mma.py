@@ -56,7 +56,8 @@ INT8_ASM2 = tl.constexpr(int8_block_asm(2))
 FMT_INT4, FMT_INT8 = tl.constexpr(0), tl.constexpr(1)
 DEPTHS = (1, 2, 3)  # blocks of weights a warp has in flight while it works on one
 # Where every warp has the same number of blocks, load without masks (EVEN in the kernel): 9-18% fewer
-# instructions a block in sm_90 SASS. Off until it has run on a GPU (bench/RESULTS.md, "Not yet run").
+# instructions a block in sm_90 SASS, but not faster on an H200 (run 23, qwen3-8b decode: int4 +0.8%
+# alone, -2.9% with the gated GEMV and the wide loads; int8 -2.2%). Off.
 UNMASKED_EVEN = False
 # The formats whose packed gate/up at one row runs as one launch with the act-and-mul in its epilogue
 # (``act`` of ``quant_gemv_mma``, through ``hub._gated_quant``): the same GEMV work and one launch fewer a

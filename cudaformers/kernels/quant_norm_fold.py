@@ -22,7 +22,9 @@ quantization's own error). Graphs and eager runs take the same path, so they giv
 fold applies where the unfused layer would run exactly these pieces: the exact ``Attention`` and
 ``DecoderLayer`` forwards, plain RMSNorms, quantized projections (q/k/v and gate/up packed) the
 fragment GEMV takes, one bf16 row, no autograd, autocast or hooks; otherwise
-``fused_norm_decode_forward`` goes on as before. Off (``NORM_FOLD``) until it has run on a GPU.
+``fused_norm_decode_forward`` goes on as before. Off (``NORM_FOLD``): measured slower on an H200
+(bench/RESULTS.md run 23, qwen3-8b decode: int4 with the gated GEMV 419 -> 409 tok/s, int8 303 -> 294),
+although its launches are fewer: the normed epilogues and the 1 / rms scaling cost the GEMVs more.
 """
 
 from __future__ import annotations
