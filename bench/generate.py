@@ -88,8 +88,6 @@ def run_ours(folder, batch, variant, check_eager) -> dict:
     for f in flags:
         if f.startswith("skinny") and f[6:].isdigit():
             skinny_gemm.WIDE_PROGRAMS_PER_SM = int(f[6:]) / 100
-        if f.startswith("graphsteps") and f[10:].isdigit():  # graphstepsN: N greedy steps a graph replay
-            decode.STEPS_PER_GRAPH = int(f[10:])
         if f.startswith("lat") and f.count(".") == 2:  # latW.N.S: batch-1 paged-decode tiles
             paged_decode.LATENCY_WARPS, paged_decode.LATENCY_KEYS, paged_decode.LATENCY_STAGES = map(
                 int, f[3:].split("."))
@@ -121,7 +119,6 @@ def run_ours(folder, batch, variant, check_eager) -> dict:
         eager = model.generate(ids, use_cuda_graph=False, **kw) if check_eager else None
     finally:
         decode.STEP_INPUTS_KERNEL = True
-        decode.STEPS_PER_GRAPH = 1
         fused_norm_decode.FUSE_ATTENTION = True
         fused_norm_decode.FUSE_ATTENTION_WITH_PDL = False
         skinny_gemm.WIDE_PROGRAMS_PER_SM = 1 / 3

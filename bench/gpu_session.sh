@@ -149,8 +149,7 @@ for part in "${parts[@]}"; do
                       --json "$OUT/results.jsonl" ;;
     lat-ab) run lat-ab 300 python3 bench/generate.py --skip-hf --workloads W1 --check-eager --variants \
               triton+kernels,triton+kernels+lat8.64.3,triton+kernels+fuseattnpdl+lat8.64.3,triton+kernels+lat4.64.3,\
-triton+kernels+fuseattnpdl,triton+kernels+lat8.128.2,triton+kernels+graphsteps4,triton+kernels+graphsteps8,\
-triton+kernels+lat8.64.3+graphsteps4,triton+kernels \
+triton+kernels+fuseattnpdl,triton+kernels+lat8.128.2,triton+kernels \
               --json "$OUT/results.jsonl" ;;
     w3-ab) run w3-ab 240 python3 bench/generate.py --skip-hf --workloads W3 --variants \
              triton+kernels,triton+kernels+skinny50,triton+kernels+skinny100,triton+kernels+split128.1.3,\

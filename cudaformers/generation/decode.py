@@ -23,9 +23,9 @@ logger = logging.getLogger("cudaformers")
 # The step's inputs in one Triton launch where Triton runs; off, the torch ops and the model's own
 # rotary (bench/generate.py's "+torchinputs" variant, for an A/B of the launch it saves).
 STEP_INPUTS_KERNEL = True
-# Greedy decode steps one graph replay runs where the loop allows (1: a replay a step). 4 and 8 were
-# worth nothing measurable on an H200 (W1 +0.1-0.3%, bench/RESULTS.md run 23), so one.
-STEPS_PER_GRAPH = 1
+# One greedy step a graph replay: graphs of 4 and 8 steps back to back were built and measured worth
+# nothing on an H200 (W1 +0.1-0.3%, bench/RESULTS.md run 23), so the gaps between replays do not
+# explain a replayed step's 0.67 ms against ~0.68 ms a step inside W1; removed.
 
 
 def step_inputs_torch(positions: torch.Tensor, block_table: torch.Tensor, block_size: int,
@@ -80,7 +80,7 @@ class DecodeRunner:
         self.graph = None  # the model step alone, captured at its first use
         self.logits = None
         self.loops: dict[LoopKind, LoopState] = {}
-        self.loop_graphs: dict[tuple[LoopKind, int], torch.cuda.CUDAGraph] = {}  # (kind, steps) -> graph
+        self.loop_graphs: dict[LoopKind, torch.cuda.CUDAGraph] = {}
         self.prompt = PromptPass(self, use_cuda_graph)  # runner.prompt(rows) -> first logits
 
     def _step(self) -> torch.Tensor:
@@ -128,45 +128,31 @@ class DecodeRunner:
         return self.current_logits()
 
     def loop(self, kind: LoopKind, generator: torch.Generator | None):
-        """(the loop state for ``kind``, ``step(n)`` running n decode steps of model + ``advance``, the
-        n > 1 it takes at once: ``run_loop``'s chunk).
+        """(the loop state for ``kind``, a function running one decode step: model + ``advance``).
 
         With graphs on and greedy decoding, model and ``advance`` are one captured graph per kind
         (captured at the first call, before the prompt is written to the cache: the warm-up steps
-        write positions from 0), and with ``STEPS_PER_GRAPH`` > 1 another graph holds that many steps
-        back to back (one replay, and no gap between graphs, for every chunk). Sampling replays the
-        model step alone and runs ``advance`` eagerly."""
+        write position 0). Sampling replays the model step alone and runs ``advance`` eagerly."""
         state = self.loops.get(kind)
         if state is None:
             state = LoopState(kind, self.rows, self.capacity, self.model.config.vocab_size, self.tokens.device,
                               tokens=self.tokens, positions=self.positions)
             self.loops[kind] = state
 
-        def body(steps: int = 1):
-            for _ in range(steps):
-                advance(self._step(), state)  # advance also moves positions on: no launch of its own
+        def body():
+            advance(self._step(), state)  # advance also moves positions on: no launch of its own
 
         # Sampling kinds keep advance eager (after a replay of the model step): capturing the
         # sampler failed on the H200 (torch 2.11), and its host cost is small beside a sampled step.
         if not self.use_cuda_graph or generator is not None or kind.sampling:
-            def step(n: int = 1):
-                for _ in range(n):
-                    advance(self.current_logits(), state, generator)
-            return state, step, 1
-        # The warm-ups and the capture run 3 * chunk steps from position 0: the cache must hold them.
-        chunk = STEPS_PER_GRAPH if 1 < STEPS_PER_GRAPH and 3 * STEPS_PER_GRAPH <= self.capacity else 1
-        for n in {1, chunk}:
-            if (kind, n) not in self.loop_graphs:
-                self.positions.zero_()
-                state.step.zero_()
-                self.loop_graphs[(kind, n)], _ = self.capture(lambda n=n: body(n))
-        one, many = self.loop_graphs[(kind, 1)].replay, self.loop_graphs[(kind, chunk)].replay
-
-        def step(n: int = 1):
-            if n not in (1, chunk):
-                raise ValueError(f"a decode step runs 1 or {chunk} steps at once, not {n}")
-            (one if n == 1 else many)()
-        return state, step, chunk
+            def step():
+                advance(self.current_logits(), state, generator)
+            return state, step
+        if kind not in self.loop_graphs:
+            self.positions.zero_()
+            state.step.zero_()
+            self.loop_graphs[kind], _ = self.capture(body)
+        return state, self.loop_graphs[kind].replay
 
 
 def graph_plan(model) -> tuple[bool, list[str]]:

@@ -99,14 +99,13 @@ def generate(model, input_ids, attention_mask=None, generation_config=None, stre
     n = len(rows)
     runner = get_runner(model, n, max(max(lens) + max_new, prompt_width(lens)), use_cuda_graph)
     st, seen, generator, eos = sampling_state(model, gen, rows, eos_ids)
-    # May capture its graphs: before the prompt's cache is written.
-    state, step, chunk = runner.loop(loop_kind(gen, st, len(eos_ids)), generator)
+    state, step = runner.loop(loop_kind(gen, st, len(eos_ids)), generator)  # may capture: before the prompt's cache
     # The loop's buffers are filled before the prompt pass (the pass does not read them): their host
     # reads and copies then wait on an idle GPU, and from the prompt on the host never waits.
     state.start(st, seen, eos, pad, gen.min_new_tokens, max_new, torch.tensor(lens, device=dev))
     logits = runner.prompt(rows)
     generated = run_loop(logits, step, state, max_new, generator,
-                         token_callback(state, gen, input_ids, streamer, tokenizer), chunk)
+                         token_callback(state, gen, input_ids, streamer, tokenizer))
     if streamer is not None:
         streamer.end()
     return torch.cat([input_ids, generated], dim=1)
@@ -142,9 +141,8 @@ def decode_loop(logits, step_fn, gen: GenerationConfig, st, seen, generator, eos
     state = LoopState(loop_kind(gen, st, int((eos >= 0).sum())), rows, max_new, vocab, logits.device)
     state.start(st, seen, eos, pad, gen.min_new_tokens, max_new, torch.zeros(rows, dtype=torch.long, device=logits.device))
 
-    def step(n: int = 1):
-        for _ in range(n):
-            advance(step_fn(state.tokens), state, generator)
+    def step():
+        advance(step_fn(state.tokens), state, generator)
 
     generated = run_loop(logits, step, state, max_new, generator,
                          token_callback(state, gen, input_ids, streamer, tokenizer))

@@ -172,12 +172,10 @@ def close_finished(state: LoopState, end) -> None:
     state.ends.copy_(torch.where(state.finished & (state.ends == state.max_new), end, state.ends))
 
 
-def run_loop(first_logits: torch.Tensor, step: Callable[[int], None], state: LoopState, max_new: int,
-             generator=None, on_token: Callable[[int], None] | None = None, chunk: int = 1) -> torch.Tensor:
-    """Step 0 from the prompt's ``first_logits``, then ``step(n)`` (n steps of model + ``advance``, maybe
-    one graph replay) until ``max_new`` tokens or every row finished. ``on_token(i)`` runs after each
-    step. n is 1, or ``chunk`` (a runner's graph of several steps) where that many steps remain before
-    the next stop check and nothing runs between steps."""
+def run_loop(first_logits: torch.Tensor, step: Callable[[], None], state: LoopState, max_new: int,
+             generator=None, on_token: Callable[[int], None] | None = None) -> torch.Tensor:
+    """Step 0 from the prompt's ``first_logits``, then ``step()`` (model + ``advance``, maybe one graph
+    replay) until ``max_new`` tokens or every row finished. ``on_token(i)`` runs after each step."""
     advance(first_logits, state, generator)
     steps = 1
     if on_token is not None:
@@ -186,10 +184,8 @@ def run_loop(first_logits: torch.Tensor, step: Callable[[int], None], state: Loo
     while steps < max_new:
         if steps % SYNC_EVERY == 0 and all_finished():
             break
-        room = min(max_new - steps, SYNC_EVERY - steps % SYNC_EVERY)
-        n = chunk if chunk > 1 and on_token is None and chunk <= room else 1
-        step(n)
+        step()
         if on_token is not None:
             on_token(steps)
-        steps += n
+        steps += 1
     return state.result(steps)

@@ -37,15 +37,10 @@ def test_graph_decode_equals_eager(dtype, attn):
     assert "generate cuda graphs" not in model.explain() or "on" in model.explain()
 
 
-@pytest.mark.parametrize("steps_per_graph", [1, 4])
 @pytest.mark.parametrize("attn", ["sdpa", "triton"])
-def test_graph_loop_reused_across_calls_equals_eager(attn, steps_per_graph, monkeypatch):
+def test_graph_loop_reused_across_calls_equals_eager(attn):
     """The captured loop (model step + sampling + stop rules) is reused by later calls whose eos
-    ids, pad id, min_new_tokens and lengths differ: each call must still equal the eager loop, with
-    one step a replay or four (``decode.STEPS_PER_GRAPH``)."""
-    from cudaformers.generation import decode
-
-    monkeypatch.setattr(decode, "STEPS_PER_GRAPH", steps_per_graph)
+    ids, pad id, min_new_tokens and lengths differ: each call must still equal the eager loop."""
     model = AutoModelForCausalLM.from_pretrained(tiny.checkpoint("qwen3"), device_map="cuda", attn_implementation=attn)
     ids = torch.randint(3, 211, (2, 9), device="cuda")
     probe = model.generate(ids, max_new_tokens=30, do_sample=False, eos_token_id=None, use_cuda_graph=False)
@@ -60,8 +55,6 @@ def test_graph_loop_reused_across_calls_equals_eager(attn, steps_per_graph, monk
             graph = model.generate(prompt, do_sample=False, use_cuda_graph=True, **kw)
             eager = model.generate(prompt, do_sample=False, use_cuda_graph=False, **kw)
             assert torch.equal(graph, eager), kw
-    runner = next(iter(model._decode_runners.values()))  # the last greedy call's: its graphs of 1 and n steps
-    assert {n for _, n in runner.loop_graphs} == {1, steps_per_graph}
     unseeded = model.generate(ids, do_sample=True, top_k=5, max_new_tokens=16, eos_token_id=None)
     assert unseeded.shape == (2, 25) and bool((unseeded[:, 9:] < model.config.vocab_size).all())
 
