@@ -1,10 +1,12 @@
 """The fragment GEMV (``kernels/quant_gemv_mma.py``, int4 and int8) against the kernels it replaced, on
 qwen3-8b's layers at batch 1 (q/k/v and gate/up packed), weights read from HBM (copies cycled past L2).
 
-    python bench/quant_gemv_mma.py [--formats int4,int8] [--unmasked] [--nowide] [--folds]
+    python bench/quant_gemv_mma.py [--formats int4,int8] [--variants 8,2,1;8,2,2,s] [--unmasked] [--nowide]
+        [--folds]
 
 us per call in a CUDA graph of 50 calls (PDL as in decode; best of five replays), and the packed bytes' rate;
-the bf16 GEMV of the same layer for scale. Fragment variants are (warps, tiles a warp, blocks in flight).
+the bf16 GEMV of the same layer for scale. Fragment variants are (warps, tiles a warp, blocks in flight),
+and an "s" after them for blocks staged through shared memory (``cp.async``) instead of registers.
 ``--folds`` instead times the folds against the launches they replace, at the default plans: gate/up
 with the act-and-mul in its epilogue against gate/up then the act-and-mul kernel, and o ending in the
 residual add and the norm's shares, then gate/up scaled by 1 / rms, against o, the RMSNorm (with its
@@ -23,8 +25,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import graph_us  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
-VARIANTS = [(8, 1, 1), (16, 1, 1), (4, 2, 1), (8, 2, 1), (8, 1, 2), (16, 1, 2), (4, 2, 2), (8, 2, 2), (8, 1, 3),
-            (16, 1, 3), (4, 2, 3), (8, 2, 3)]
+VARIANTS = ("8,1,1;16,1,1;4,2,1;8,2,1;8,1,2;16,1,2;4,2,2;8,2,2;8,1,3;16,1,3;4,2,3;8,2,3;"
+            "8,1,1,s;16,1,1,s;8,2,1,s;8,1,2,s;16,1,2,s;4,2,2,s;8,2,2,s;16,1,3,s;8,2,3,s")
+
+
+def parse_variants(text: str) -> list[tuple]:
+    """``"8,2,1;8,2,2,s"`` -> ``[(8, 2, 1), (8, 2, 2, True)]``."""
+    return [tuple(int(v) for v in item.split(",")[:3]) + ((True,) if item.endswith(",s") else ())
+            for item in text.split(";") if item]
 
 
 def packed_copies(fmt: str, w32: torch.Tensor):
@@ -49,6 +57,7 @@ def packed_copies(fmt: str, w32: torch.Tensor):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--formats", default="int4,int8")
+    ap.add_argument("--variants", default=VARIANTS, help="fragment plans: warps,tiles,depth[,s];...")
     ap.add_argument("--unmasked", action="store_true", help="loads without masks where the blocks divide evenly")
     ap.add_argument("--nowide", action="store_true", help="the weights as 8-byte loads (WIDE_LOADS off)")
     ap.add_argument("--folds", action="store_true", help="the gated and normed folds against their launches")
@@ -77,14 +86,17 @@ def main() -> None:
             rows[f"{fmt} FMA GEMV"] = (graph_us([lambda w=w: quant_gemv(x, w) for w in ws]), nbytes)
             if quant_mma.supports(x, ws[0]):
                 rows[f"{fmt} tl.dot kernel"] = (graph_us([lambda w=w: quant_mma.quant_mma(x, w) for w in ws]), nbytes)
-            for warps, tiles, depth in VARIANTS:
-                rows[f"{fmt} fragment {warps}w {tiles}t d{depth}"] = (graph_us(
-                    [lambda w=w, c=(warps, tiles, depth): quant_gemv_mma(x, w, plan=c) for w in ws]),
-                    nbytes)
             ref = qm.quant_matmul_reference(x.float(), ws[0])
+            errors = []
+            for plan in parse_variants(args.variants):
+                staged = " staged" if len(plan) > 3 else ""
+                rows[f"{fmt} fragment {plan[0]}w {plan[1]}t d{plan[2]}{staged}"] = (graph_us(
+                    [lambda w=w, c=plan: quant_gemv_mma(x, w, plan=c) for w in ws]), nbytes)
+                errors.append((quant_gemv_mma(x, ws[0], plan=plan).float() - ref).abs().max().item())
             err = (quant_gemv_mma(x, ws[0]).float() - ref).abs().max().item()
-            print(f"{name} {n}x{k} {fmt}: {nbytes / 1e6:.1f} MB; fragment GEMV max error {err:.2e} "
-                  f"(|ref| max {ref.abs().max():.2f}); default plan {default_plan(n, fmt, x.device)}")
+            print(f"{name} {n}x{k} {fmt}: {nbytes / 1e6:.1f} MB; fragment GEMV max error {err:.2e}, over the "
+                  f"variants at most {max(errors, default=0):.2e} (|ref| max {ref.abs().max():.2f}); default plan "
+                  f"{default_plan(n, fmt, x.device)}")
         for label, (us, nbytes) in rows.items():
             print(f"  {label:30s} {us:7.2f} us  {nbytes / 1e6 / us:5.2f} TB/s")
             total[label] = total.get(label, 0.0) + us

@@ -176,13 +176,14 @@ def _weights(fmt: str, n: int, k: int, seed: int):
 
 
 def _launch(monkeypatch, x, w, bias, plan, act=None, even=False, rms=None, normed=None, loads=""):
-    """The kernel on the CPU; ``loads="wide"``: the weights as 16-byte loads (WIDE_LOADS), else 8-byte ones."""
+    """The kernel on the CPU; ``loads="wide"``: the weights as 16-byte loads (WIDE_LOADS), ``"staged"``:
+    through the pipeliner's stages (the plan's fourth element), else 8-byte loads into registers."""
     from cudaformers.kernels import quant_gemv_mma as m
 
     emulate_inline_asm(monkeypatch)
     monkeypatch.setattr(m, "UNMASKED_EVEN", even)
     monkeypatch.setattr(m, "WIDE_LOADS", loads == "wide")
-    return m._launch(x, w, bias, plan, act, rms, normed)
+    return m._launch(x, w, bias, (*plan, True) if loads == "staged" else plan, act, rms, normed)
 
 
 # (fmt, n, k, plan, unmasked where every warp has as many blocks): 2-12 blocks a row (int4 128 codes,
@@ -195,7 +196,8 @@ KERNEL_CASES = [("int4_sym", 32, 640, (2, 1, 1), False), ("int4_asym", 64, 256, 
                 ("int4_sym", 32, 1152, (2, 1, 3), False), ("int8", 32, 768, (2, 1, 3), True)]
 
 
-@pytest.mark.parametrize("loads", ["", "wide"])  # the weights as two 8-byte loads a row and lane, or one of 16
+# the weights as two 8-byte loads a row and lane, one of 16, or staged through shared memory
+@pytest.mark.parametrize("loads", ["", "wide", "staged"])
 @pytest.mark.parametrize("fmt,n,k,plan,even", KERNEL_CASES, ids=str)
 def test_the_kernel_matches_the_reference_on_the_cpu(monkeypatch, fmt, n, k, plan, even, loads):
     from cudaformers.kernels.quant_matmul import quant_matmul_reference

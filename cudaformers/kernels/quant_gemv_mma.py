@@ -109,6 +109,27 @@ def _words(at, ld_q, ok, r1, r2, TILES: tl.constexpr, WIDE: tl.constexpr, EVEN: 
 
 
 @triton.jit
+def _row_words(at, ok):
+    """Words ``at[0]`` and ``at[1]`` as one ``[lanes, 2]`` load split in two: the form Triton's pipeliner
+    turns into a 16-byte ``cp.async`` into shared memory (``STAGED``); 0 where not ``ok``."""
+    pair = tl.load(at[:, None] + tl.arange(0, 2)[None, :], mask=ok[:, None], other=0)
+    return tl.split(pair)
+
+
+@triton.jit
+def _staged_words(at, ld_q, ok, r1, r2, TILES: tl.constexpr):
+    """``_words`` through the pipeliner's shared-memory stages."""
+    w0, w1 = _row_words(at, ok)
+    w2, w3 = _row_words(at + r1 * ld_q, ok)
+    if TILES == 2:
+        w4, w5 = _row_words(at + r2 * ld_q, ok)
+        w6, w7 = _row_words(at + (r2 + r1) * ld_q, ok)
+    else:  # not read
+        w4, w5, w6, w7 = w0, w1, w2, w3
+    return w0, w1, w2, w3, w4, w5, w6, w7
+
+
+@triton.jit
 def _scaled(d, xs, s_at, z_at, ok, HAS_ZEROS: tl.constexpr):
     """``s * (d - (128 + z) * sum(x))``: a row's share of one block, its codes' bias and zero point off."""
     scale = tl.load(s_at, mask=ok, other=0).to(tl.float32)
@@ -182,11 +203,71 @@ def _block(w, x, s_at, z_at, n_blocks, ok, acc, r1, r2, FMT: tl.constexpr, HAS_Z
 
 
 @triton.jit
+def _shares(p_ptr, n_shares, SHARES: tl.constexpr):
+    """The shares of the rms (``SHARES > 0``), else a placeholder."""
+    if SHARES > 0:
+        i = tl.arange(0, SHARES)
+        return tl.load(p_ptr + i, mask=i < n_shares, other=0.0)
+    else:
+        return 0.0
+
+
+@triton.jit
+def _rotating(at, xb, s_at, z_at, p_ptr, n_shares, n_blocks, ld_q, warp, steps, r1, r2, acc, FMT: tl.constexpr,
+              WARPS: tl.constexpr, TILES: tl.constexpr, DEPTH: tl.constexpr, HAS_ZEROS: tl.constexpr,
+              EVEN: tl.constexpr, SHARES: tl.constexpr, USE_PDL: tl.constexpr, WIDE: tl.constexpr):
+    """A warp's blocks with DEPTH blocks of words in flight in registers: (acc, the rms shares)."""
+    X_STEP: tl.constexpr = 32 if FMT == FMT_INT4 else 16
+    if EVEN:
+        ok = tl.full([32 * WARPS], 1, tl.int1)
+    else:
+        ok = warp < n_blocks
+    words = _words(at, ld_q, ok, r1, r2, TILES, WIDE, EVEN)
+    ok_1, words_1 = ok, words  # the next block (DEPTH >= 2)
+    ok_2, words_2 = ok, words  # the one after (DEPTH 3)
+    if DEPTH >= 2:
+        if not EVEN:
+            ok_1 = warp + WARPS < n_blocks
+        words_1 = _words(at + 8 * WARPS, ld_q, ok_1, r1, r2, TILES, WIDE, EVEN)
+    if DEPTH == 3:
+        if not EVEN:
+            ok_2 = warp + 2 * WARPS < n_blocks
+        words_2 = _words(at + 16 * WARPS, ld_q, ok_2, r1, r2, TILES, WIDE, EVEN)
+    wait_for_producer(USE_PDL)
+    release_dependents(USE_PDL)
+    shares = _shares(p_ptr, n_shares, SHARES)  # read now, summed at the end
+    # Unrolled DEPTH times, the blocks in flight rotate through registers without moves.
+    for step in tl.range(1, steps, loop_unroll_factor=DEPTH):
+        if EVEN:
+            ahead_ok = ok
+            ahead = _words(at + tl.where(step + DEPTH - 1 < steps, 8 * WARPS * DEPTH, 0), ld_q, ahead_ok, r1, r2,
+                           TILES, WIDE, EVEN)
+        else:
+            ahead_ok = warp + (step + DEPTH - 1) * WARPS < n_blocks
+            ahead = _words(at + 8 * WARPS * DEPTH, ld_q, ahead_ok, r1, r2, TILES, WIDE, EVEN)
+        acc = _block(words, _xs(xb, ok, FMT), s_at, z_at, n_blocks, ok, acc, r1, r2, FMT, HAS_ZEROS, TILES)
+        if DEPTH == 3:
+            words, ok, words_1, ok_1, words_2, ok_2 = words_1, ok_1, words_2, ok_2, ahead, ahead_ok
+        elif DEPTH == 2:
+            words, ok, words_1, ok_1 = words_1, ok_1, ahead, ahead_ok
+        else:
+            words, ok = ahead, ahead_ok
+        at += 8 * WARPS
+        xb += X_STEP * WARPS
+        s_at += WARPS
+        z_at += WARPS
+    acc = _block(words, _xs(xb, ok, FMT), s_at, z_at, n_blocks, ok, acc, r1, r2, FMT, HAS_ZEROS, TILES)
+    return acc, shares
+
+
+@triton.jit
 def _kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, n_blocks, ld_q, half, p_ptr, n_shares, n_in, eps, r_ptr,
             g_ptr, h_ptr, po_ptr, FMT: tl.constexpr, WARPS: tl.constexpr, TILES: tl.constexpr, DEPTH: tl.constexpr,
             HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr,
-            SHARES: tl.constexpr, NORMED: tl.constexpr, USE_PDL: tl.constexpr, WIDE: tl.constexpr):
-    # WIDE: each row's 16 bytes a lane as one load (``WIDE_LOADS``).
+            SHARES: tl.constexpr, NORMED: tl.constexpr, USE_PDL: tl.constexpr, WIDE: tl.constexpr,
+            STAGED: tl.constexpr):
+    # WIDE: each row's 16 bytes a lane as one load (``WIDE_LOADS``). STAGED: the weights and x reach a
+    # block through DEPTH + 1 pipeliner stages in shared memory (``cp.async``) instead of registers.
     # Epilogues (quant_gemv_epilogues.py): GATED >= 0, an activation code: act(gate) * up of a packed
     # gate/up. SHARES > 0: the dots scaled by 1 / rms of x's un-normalised row, from the n_shares
     # (<= SHARES) shares of its squares at p_ptr (n_in elements). NORMED: the residual add and the
@@ -229,47 +310,18 @@ def _kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, n_blocks, ld_q, half, p_
     # true one folds away, and with it the register fills of masked loads); the blocks "ahead" of the
     # last ones re-read the current block instead of reading past the row.
     steps = tl.cdiv(n_blocks, WARPS)
-    if EVEN:
-        ok = tl.full([32 * WARPS], 1, tl.int1)
+    if STAGED:
+        wait_for_producer(USE_PDL)
+        release_dependents(USE_PDL)
+        shares = _shares(p_ptr, n_shares, SHARES)
+        for step in tl.range(0, steps, num_stages=DEPTH + 1):
+            ok = warp + step * WARPS < n_blocks
+            words = _staged_words(at + step * 8 * WARPS, ld_q, ok, r1, r2, TILES)
+            acc = _block(words, _xs(xb + step * X_STEP * WARPS, ok, FMT), s_at + step * WARPS, z_at + step * WARPS,
+                         n_blocks, ok, acc, r1, r2, FMT, HAS_ZEROS, TILES)
     else:
-        ok = warp < n_blocks
-    words = _words(at, ld_q, ok, r1, r2, TILES, WIDE, EVEN)
-    ok_1, words_1 = ok, words  # the next block (DEPTH >= 2)
-    ok_2, words_2 = ok, words  # the one after (DEPTH 3)
-    if DEPTH >= 2:
-        if not EVEN:
-            ok_1 = warp + WARPS < n_blocks
-        words_1 = _words(at + 8 * WARPS, ld_q, ok_1, r1, r2, TILES, WIDE, EVEN)
-    if DEPTH == 3:
-        if not EVEN:
-            ok_2 = warp + 2 * WARPS < n_blocks
-        words_2 = _words(at + 16 * WARPS, ld_q, ok_2, r1, r2, TILES, WIDE, EVEN)
-    wait_for_producer(USE_PDL)
-    release_dependents(USE_PDL)
-    if SHARES > 0:  # read now, summed at the end
-        i = tl.arange(0, SHARES)
-        shares = tl.load(p_ptr + i, mask=i < n_shares, other=0.0)
-    # Unrolled DEPTH times, the blocks in flight rotate through registers without moves.
-    for step in tl.range(1, steps, loop_unroll_factor=DEPTH):
-        if EVEN:
-            ahead_ok = ok
-            ahead = _words(at + tl.where(step + DEPTH - 1 < steps, 8 * WARPS * DEPTH, 0), ld_q, ahead_ok, r1, r2,
-                           TILES, WIDE, EVEN)
-        else:
-            ahead_ok = warp + (step + DEPTH - 1) * WARPS < n_blocks
-            ahead = _words(at + 8 * WARPS * DEPTH, ld_q, ahead_ok, r1, r2, TILES, WIDE, EVEN)
-        acc = _block(words, _xs(xb, ok, FMT), s_at, z_at, n_blocks, ok, acc, r1, r2, FMT, HAS_ZEROS, TILES)
-        if DEPTH == 3:
-            words, ok, words_1, ok_1, words_2, ok_2 = words_1, ok_1, words_2, ok_2, ahead, ahead_ok
-        elif DEPTH == 2:
-            words, ok, words_1, ok_1 = words_1, ok_1, ahead, ahead_ok
-        else:
-            words, ok = ahead, ahead_ok
-        at += 8 * WARPS
-        xb += X_STEP * WARPS
-        s_at += WARPS
-        z_at += WARPS
-    acc = _block(words, _xs(xb, ok, FMT), s_at, z_at, n_blocks, ok, acc, r1, r2, FMT, HAS_ZEROS, TILES)
+        acc, shares = _rotating(at, xb, s_at, z_at, p_ptr, n_shares, n_blocks, ld_q, warp, steps, r1, r2, acc, FMT,
+                                WARPS, TILES, DEPTH, HAS_ZEROS, EVEN, SHARES, USE_PDL, WIDE)
     ROW_SCALE: tl.constexpr = FMT == FMT_INT8
     HAS_RSTD: tl.constexpr = SHARES > 0
     rstd = 1.0
@@ -382,7 +434,7 @@ def _launch(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, plan: t
     """The launch behind ``quant_gemv_mma`` and ``quant_gemv_mma_normed``, past their checks of the device
     (the tests run it on the CPU through the interpreter, with the PTX emulated)."""
     n = w.out_features
-    warps, per_warp, depth = plan
+    warps, per_warp, depth, *staged = plan  # (staged: see STAGED in the kernel)
     gated = -1 if act is None else _code(act)
     rows_out, rows_a_program = (n, 16 * per_warp) if act is None else (n // 2, 8 * per_warp)
     if rows_out % rows_a_program or depth not in DEPTHS:
@@ -405,5 +457,5 @@ def _launch(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, plan: t
         HAS_ZEROS=w.zeros is not None, HAS_BIAS=bias is not None,
         EVEN=UNMASKED_EVEN and w.n_blocks % warps == 0 and w.n_blocks >= depth * warps, GATED=gated,
         SHARES=0 if rms is None else next_power_of_2(shares.numel()), NORMED=normed is not None, USE_PDL=pdl,
-        WIDE=WIDE_LOADS, num_warps=warps, launch_pdl=pdl)
+        WIDE=WIDE_LOADS, STAGED=bool(staged and staged[0]), num_warps=warps, launch_pdl=pdl)
     return (h, out, shares_out) if normed is not None else out
