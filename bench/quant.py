@@ -12,9 +12,8 @@ BLOCK_N (the default marked), to tune ``quant_gemv.gemv_tiles``. mma: the tensor
 replaces. Decode methods may end in switches: ``_fma`` (the FMA GEMV instead of the tensor-core kernel), ``_dot``
 (batch 1 without the fragment GEMV), ``_gated`` / ``_nogated`` (``quant_gemv_mma.GATED`` for both formats or
 none: gate/up's act-and-mul in the fragment GEMV; by default int4 only), ``_unmasked``
-(``quant_gemv_mma.UNMASKED_EVEN``), ``_wide`` / ``_nowide`` (``WIDE_LOADS``, on by default), ``_fold``
-(``quant_norm_fold.NORM_FOLD``), ``_lat`` (the batch-1
-paged decode's tiling before run 23: 32 KB K tiles), e.g. ``int4_nogated_nowide``. decode: W1/W2 (generate, batch 1,
+(``quant_gemv_mma.UNMASKED_EVEN``), ``_wide`` / ``_nowide`` (``WIDE_LOADS``, on by default), ``_lat`` (the
+batch-1 paged decode's tiling before run 23: 32 KB K tiles), e.g. ``int4_nogated_nowide``. decode: W1/W2 (generate, batch 1,
 128-token prompt, 256 new tokens, greedy; triton attention and use_kernels=True for every method, bf16 too) per method
 on the same saved random weights, with peak memory. qlora: one NF4 + LoRA (r 16, all linear layers)
 training step on qwen3-8b shapes at batch 1 x 2048 with gradient checkpointing: peak memory (goal <= 12 GiB) and step time. Each case runs in its own
@@ -228,11 +227,11 @@ def bench_mma(methods, bw, env, json_path, tilings=None, ms=(1, 16)) -> list[dic
     return rows
 
 
-SWITCHES = ("fma", "dot", "gated", "nogated", "unmasked", "fold", "lat", "wide", "nowide")
+SWITCHES = ("fma", "dot", "gated", "nogated", "unmasked", "lat", "wide", "nowide")
 
 
 def method_switches(method: str) -> tuple[str, set[str]]:
-    """``"int4_gated_fold"`` -> ``("int4", {"gated", "fold"})``: a method and the switches after it."""
+    """``"int4_gated_lat"`` -> ``("int4", {"gated", "lat"})``: a method and the switches after it."""
     parts = method.split("_")
     switches = set()
     while len(parts) > 1 and parts[-1] in SWITCHES:
@@ -250,7 +249,6 @@ def bench_decode(shape, methods, bw, env, json_path) -> list[dict]:
     from cudaformers.kernels import quant_gemv_mma as fragment
     from cudaformers.kernels import quant_matmul as qm
     from cudaformers.kernels import paged_decode
-    from cudaformers.kernels import quant_norm_fold as norm_fold
 
     defaults = fragment.GATED, fragment.WIDE_LOADS  # what a method without those switches runs
     for method in methods:
@@ -263,7 +261,6 @@ def bench_decode(shape, methods, bw, env, json_path) -> list[dict]:
             fragment.GATED = ("int4", "int8") if "gated" in switches else () if "nogated" in switches else defaults[0]
             fragment.UNMASKED_EVEN = "unmasked" in switches  # its loads without masks
             fragment.WIDE_LOADS = "wide" in switches or ("nowide" not in switches and defaults[1])  # 16 bytes a load
-            norm_fold.NORM_FOLD = "fold" in switches  # the norms inside the GEMVs around them
             # the batch-1 paged decode in 4 warps of 32 KB K tiles, 2 stages: the tiling before run 23
             paged_decode.LATENCY_WARPS, paged_decode.LATENCY_KEYS, paged_decode.LATENCY_STAGES = (
                 (4, 0, 2) if "lat" in switches else (4, 64, 2))

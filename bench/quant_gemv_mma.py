@@ -7,10 +7,8 @@ qwen3-8b's layers at batch 1 (q/k/v and gate/up packed), weights read from HBM (
 us per call in a CUDA graph of 50 calls (PDL as in decode; best of five replays), and the packed bytes' rate;
 the bf16 GEMV of the same layer for scale. Fragment variants are (warps, tiles a warp, blocks in flight),
 and an "s" after them for blocks staged through shared memory (``cp.async``) instead of registers.
-``--folds`` instead times the folds against the launches they replace, at the default plans: gate/up
-with the act-and-mul in its epilogue against gate/up then the act-and-mul kernel, and o ending in the
-residual add and the norm's shares, then gate/up scaled by 1 / rms, against o, the RMSNorm (with its
-residual add), then gate/up.
+``--folds`` instead times gate/up with the act-and-mul in its epilogue against gate/up then the
+act-and-mul kernel, at the default plans.
 """
 
 from __future__ import annotations
@@ -60,7 +58,7 @@ def main() -> None:
     ap.add_argument("--variants", default=VARIANTS, help="fragment plans: warps,tiles,depth[,s];...")
     ap.add_argument("--unmasked", action="store_true", help="loads without masks where the blocks divide evenly")
     ap.add_argument("--nowide", action="store_true", help="the weights as 8-byte loads (WIDE_LOADS off)")
-    ap.add_argument("--folds", action="store_true", help="the gated and normed folds against their launches")
+    ap.add_argument("--folds", action="store_true", help="the gated GEMV against its two launches")
     args = ap.parse_args()
     if args.folds:
         return folds(args.formats.split(","))
@@ -104,40 +102,24 @@ def main() -> None:
 
 
 def folds(formats: list[str]) -> None:
-    """us per chain (each a CUDA graph of 50 over weight copies past L2) of the folds and what they replace."""
+    """us per chain (each a CUDA graph of 50 over weight copies past L2): the gated GEMV and what it replaces."""
     from cudaformers.kernels.activation import act_and_mul_forward
-    from cudaformers.kernels.quant_gemv_mma import quant_gemv_mma, quant_gemv_mma_normed
-    from cudaformers.kernels.rms_norm import rms_norm_forward
+    from cudaformers.kernels.quant_gemv_mma import quant_gemv_mma
 
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
-    (n_gu, k), (n_o, _) = SHAPES["gate_up"], SHAPES["o"]
+    n_gu, k = SHAPES["gate_up"]
     x = torch.randn(1, k, device="cuda").bfloat16()
-    residual = torch.randn(1, k, device="cuda").bfloat16()
-    gamma = torch.ones(k, device="cuda").bfloat16()
     for fmt in formats:
         gus, _ = packed_copies(fmt, torch.randn(n_gu, k, device="cuda") * 0.02)
-        os_, _ = packed_copies(fmt, torch.randn(n_o, k, device="cuda") * 0.02)
         half = n_gu // 2
 
         def two_launches(w):
             out = quant_gemv_mma(x, w)
             return act_and_mul_forward(out[:, :half], out[:, half:], "silu", pdl=True)
 
-        def unfolded(w_o, w_gu):
-            hn, _, _ = rms_norm_forward(quant_gemv_mma(x, w_o), gamma, 1e-6, residual, pdl=True)
-            return quant_gemv_mma(hn, w_gu)
-
-        def folded(w_o, w_gu):
-            _, gamma_h, shares = quant_gemv_mma_normed(x, w_o, None, residual, gamma)
-            return quant_gemv_mma(gamma_h, w_gu, rms=(shares, 1e-6))
-
-        pairs = list(zip(os_, gus))
         for label, calls in (("gate/up, then act-and-mul", [lambda w=w: two_launches(w) for w in gus]),
-                             ("gate/up gated", [lambda w=w: quant_gemv_mma(x, w, act="silu") for w in gus]),
-                             ("o, RMSNorm, gate/up", [lambda p=p: unfolded(*p) for p in pairs]),
-                             ("o normed, gate/up by 1 / rms", [lambda p=p: folded(*p) for p in pairs])):
+                             ("gate/up gated", [lambda w=w: quant_gemv_mma(x, w, act="silu") for w in gus])):
             print(f"  {fmt} {label:32s} {graph_us(calls):7.2f} us")
-
 
 if __name__ == "__main__":
     main()

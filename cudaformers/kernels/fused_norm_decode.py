@@ -40,6 +40,11 @@ and measured slower on an H200: W1 1,342-1,345 against 1,395-1,409 tok/s with qk
 (bench/RESULTS.md run 15). The arrival, the read-back of the head and its arithmetic sit on the chain's
 critical path after the GEMV's last program, while qk_norm_rope's own launch overlaps the paged
 decode's early start. Removed.
+In quantized layers at one row, the norms folded around the fragment GEMVs (the output projection
+ending in the residual add, ``gamma * h`` and shares of ``sum(h^2)``; gate/up and the next layer's
+q/k/v scaling their dots by ``1 / rms``) were built and measured slower on an H200: int4 419 -> 409
+tok/s, int8 303 -> 294 (bench/RESULTS.md run 23), the normed epilogues costing the GEMVs more than
+the two launches saved. Removed.
 At 5-32 rows the q/k/v skinny GEMM finishing each head itself (qk_norm_rope's norm, rotary and cache
 store in its epilogue, one head per tile) was built and measured on an H200 at W3: 23,134 against
 24,671 tok/s, because one-head tiles cost the projection more than the launch saved; removed.
@@ -56,7 +61,6 @@ from ..layers.norm import RMSNorm
 from .fused_projections import PackedLinear
 from .gemv import gemv_applies, gemv_rms_norm
 from .pdl import pdl_enabled
-from .quant_norm_fold import prenormed_input, quant_post_norm_forward
 
 FOLD_MAX_HIDDEN = 2048  # widest input row the norm is folded for (see the module docstring)
 # Decode attention past the folded GEMV as one launch (see the module docstring); off for A/B runs.
@@ -66,14 +70,12 @@ FUSE_ATTENTION_WITH_PDL = False  # measured slower under PDL on an H200 (module 
 
 def describe() -> str:
     """What the "DecoderLayer" kernel does at 1-4 rows with the switches as they are now (``explain()``)."""
-    from . import quant_gemv_mma, quant_norm_fold
+    from . import quant_gemv_mma
 
     parts = [f"norms folded into the packed q/k/v and gate/up GEMVs up to {FOLD_MAX_HIDDEN} features"]
     if FUSE_ATTENTION:
         parts.append("qk_norm_rope inside the triton paged decode" + (
             "" if FUSE_ATTENTION_WITH_PDL else " where programmatic dependent launch is off"))
-    if quant_norm_fold.NORM_FOLD:
-        parts.append("int4/int8 layers at one row: the norms folded around the fragment GEMVs")
     if quant_gemv_mma.GATED:
         parts.append(f"{'/'.join(quant_gemv_mma.GATED)} gate/up at one row: act(gate) * up in the GEMV")
     return "; ".join(parts)
@@ -223,13 +225,8 @@ def _gate_up_packed(mlp) -> PackedLinear | None:
 
 
 def fused_norm_decode_forward(self, hidden, residual, cos, sin, batch):
-    """``DecoderLayer.forward`` with each norm folded into the GEMV after it where that is exact (and,
-    in quantized layers switched to it, around the GEMVs where it is not: ``quant_norm_fold.py``)."""
+    """``DecoderLayer.forward`` with each norm folded into the GEMV after it where that is exact."""
     attn, mlp = self.self_attn, self.mlp
-    prenormed = prenormed_input(self, hidden, residual, batch)
-    if prenormed is not None:  # the previous layer's down projection normed this input
-        gamma_h, shares = prenormed
-        return quant_post_norm_forward(self, gamma_h, hidden, cos, sin, batch, shares)
     folded = _fold(self.input_layernorm, _qkv_packed(attn), hidden, residual)
     if folded is not None:
         qkv, residual = folded
@@ -240,9 +237,6 @@ def fused_norm_decode_forward(self, hidden, residual, cos, sin, batch):
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        quantized = quant_post_norm_forward(self, hidden, residual, cos, sin, batch)
-        if quantized is not None:  # a quantized layer's post-attention norm inside its GEMVs
-            return quantized
         hidden = attn(hidden, cos, sin, batch)
 
     # The exact class is DecoderLayer (the hub's predicate), so feed_forward is the MLP itself.

@@ -150,10 +150,12 @@ def _gated_quant(mlp, x):
 
     if not (quant_gemv_mma.GATED and quant_matmul.USE_MMA and quant_matmul.USE_FRAGMENT_GEMV):
         return None  # (no format gated)
-    from .quant_norm_fold import _packed_quant
+    from ..quant.packing import PackedQuantLinear
+    from .fused_norm_decode import _unhooked
 
-    packed = _packed_quant(mlp, "packed_gate_up", mlp.gate_proj)
-    if packed is None or not _runs_act_kernel(mlp.act_fn):
+    packed = getattr(mlp, "packed_gate_up", None)
+    if not (isinstance(packed, PackedQuantLinear) and packed.usable_for(mlp.gate_proj) and _unhooked(packed)
+            and _runs_act_kernel(mlp.act_fn)):
         return None
     layer = packed.layer
     if packed.sizes[0] * 2 != layer.out_features or x.dtype != layer.compute_dtype or x.numel() != layer.in_features:
@@ -410,10 +412,6 @@ def _apply(model, config: KernelConfig | None, mode: str) -> dict:
                     structure.changed()  # captured graphs replay the forward bound before
             kernel, reason, count = chosen.get(lt.name, (name, why, 0))
             chosen[lt.name] = (kernel, reason, count + 1)
-    if chosen.get("DecoderLayer", ("",))[0]:  # its folds across layers need each layer's successor
-        from .quant_norm_fold import link_layers
-
-        link_layers(model)
     return chosen
 
 

@@ -6,14 +6,6 @@ columns are alike), so t = 0 stores. Besides the plain store:
 
 - **gated** (``store_gated``): a packed gate/up projection comes out as ``act(gate) * up``; the lane
   holds both rows of its output, which the act-and-mul kernel's arithmetic then combines.
-- **normed** (``store_normed``): the attention's output projection ends the block with the residual
-  add and hands the next GEMV its input: ``h = o + residual`` (the residual stream, rounded as the
-  unfused add), ``gamma * h`` (the post-attention norm's weight applied, its ``1 / rms(h)`` not yet) and
-  this program's share of ``sum(h^2)``.
-- **rstd** (``rstd_of``): that next GEMV scales its dots by ``1 / rms(h)`` from the shares, which is
-  the norm's own division moved past the matmul: ``W (gamma * h / rms) = (W (gamma * h)) / rms``. The
-  post-attention RMSNorm thus costs no launch of its own. The result differs from the unfused
-  ``W bf16(gamma * bf16(h / rms))`` only in where bf16 rounds.
 """
 
 from __future__ import annotations
@@ -25,33 +17,29 @@ from .activation import _act_and_grad
 
 
 @triton.jit
-def row_values(acc, s_ptr, b_ptr, rows, rstd, WARPS: tl.constexpr, ROW_SCALE: tl.constexpr, HAS_RSTD: tl.constexpr,
-               HAS_BIAS: tl.constexpr):
+def row_values(acc, s_ptr, b_ptr, rows, WARPS: tl.constexpr, ROW_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
     """fp32 values of ``rows`` (one per lane): the dot summed over the warps, times the row's scale
-    (int8) and ``rstd`` (HAS_RSTD), plus the bias."""
+    (int8), plus the bias."""
     out = tl.sum(tl.reshape(acc, [WARPS, 32]), axis=0)
     if ROW_SCALE:
         out *= tl.load(s_ptr + rows)
-    if HAS_RSTD:
-        out *= rstd
     if HAS_BIAS:
         out += tl.load(b_ptr + rows).to(tl.float32)
     return out
 
 
 @triton.jit
-def store_rows(acc, s_ptr, b_ptr, out_ptr, row, rstd, WARPS: tl.constexpr, ROW_SCALE: tl.constexpr,
-               HAS_RSTD: tl.constexpr, HAS_BIAS: tl.constexpr):
+def store_rows(acc, s_ptr, b_ptr, out_ptr, row, WARPS: tl.constexpr, ROW_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
     """Rows ``row + lane // 4`` into ``out``."""
     lanes = tl.arange(0, 32)
     rows = row + lanes // 4
-    out = row_values(acc, s_ptr, b_ptr, rows, rstd, WARPS, ROW_SCALE, HAS_RSTD, HAS_BIAS)
+    out = row_values(acc, s_ptr, b_ptr, rows, WARPS, ROW_SCALE, HAS_BIAS)
     tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=lanes % 4 == 0)
 
 
 @triton.jit
-def store_gated(gate, up, s_ptr, b_ptr, out_ptr, row, half, rstd, WARPS: tl.constexpr, ROW_SCALE: tl.constexpr,
-                HAS_RSTD: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr):
+def store_gated(gate, up, s_ptr, b_ptr, out_ptr, row, half, WARPS: tl.constexpr, ROW_SCALE: tl.constexpr,
+                HAS_BIAS: tl.constexpr, ACT: tl.constexpr):
     """``act(gate) * up`` into rows ``row + lane // 4`` of the output, from the accumulators of packed
     rows ``row + lane // 4`` (gate) and ``half`` past them (up). gate and up are rounded to the output
     dtype first and the product computed as ``activation.py``'s act-and-mul kernel does, so the result
@@ -59,31 +47,7 @@ def store_gated(gate, up, s_ptr, b_ptr, out_ptr, row, half, rstd, WARPS: tl.cons
     lanes = tl.arange(0, 32)
     rows = row + lanes // 4
     dtype = out_ptr.dtype.element_ty
-    g = row_values(gate, s_ptr, b_ptr, rows, rstd, WARPS, ROW_SCALE, HAS_RSTD, HAS_BIAS).to(dtype).to(tl.float32)
-    u = row_values(up, s_ptr, b_ptr, rows + half, rstd, WARPS, ROW_SCALE, HAS_RSTD, HAS_BIAS).to(dtype).to(tl.float32)
+    g = row_values(gate, s_ptr, b_ptr, rows, WARPS, ROW_SCALE, HAS_BIAS).to(dtype).to(tl.float32)
+    u = row_values(up, s_ptr, b_ptr, rows + half, WARPS, ROW_SCALE, HAS_BIAS).to(dtype).to(tl.float32)
     a, _ = _act_and_grad(g, ACT)
     tl.store(out_ptr + rows, (a * u).to(dtype), mask=lanes % 4 == 0)
-
-
-@triton.jit
-def store_normed(acc, s_ptr, b_ptr, r_ptr, g_ptr, h_ptr, out_ptr, row, WARPS: tl.constexpr, ROW_SCALE: tl.constexpr,
-                 HAS_BIAS: tl.constexpr):
-    """For rows ``row + lane // 4``: ``h = bf16(o) + residual`` into ``h_ptr`` (the unfused path's sum,
-    rounded alike), ``gamma * h`` into ``out``; returns the rows' ``sum(h^2)`` (fp32, of the rounded h)."""
-    lanes = tl.arange(0, 32)
-    rows = row + lanes // 4
-    first = lanes % 4 == 0
-    dtype = h_ptr.dtype.element_ty
-    o = row_values(acc, s_ptr, b_ptr, rows, 1.0, WARPS, ROW_SCALE, False, HAS_BIAS).to(dtype).to(tl.float32)
-    h = (o + tl.load(r_ptr + rows).to(tl.float32)).to(dtype)
-    tl.store(h_ptr + rows, h, mask=first)
-    hf = h.to(tl.float32)
-    tl.store(out_ptr + rows, (hf * tl.load(g_ptr + rows).to(tl.float32)).to(out_ptr.dtype.element_ty), mask=first)
-    return tl.sum(tl.where(first, hf * hf, 0.0), 0)
-
-
-@triton.jit
-def rstd_of(shares, n_in, eps):
-    """``1 / rms(h)`` from the producing GEMV's shares of ``sum(h^2)`` (0 past the last; ``n_in``
-    elements of h), as the RMSNorm computes it: ``rsqrt(mean(h^2) + eps)``."""
-    return tl.rsqrt(tl.sum(shares, 0) / n_in + eps)

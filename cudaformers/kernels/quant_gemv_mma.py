@@ -28,10 +28,10 @@ stream at 1.6-2.5 TB/s (int4) and 2.2-3.2 TB/s (int8), against 1.0-1.5 and 1.8-2
 With ``act``, a packed gate/up projection comes out as ``act(gate) * up``: the lane that holds gate row
 i also holds up row i (its tile's second half, or its second tile, lies at the up half), so the
 epilogue applies the act-and-mul kernel's own arithmetic to the rounded rows and the decode MLP loses
-that launch (``GATED``, through ``hub._gated_quant``). ``quant_gemv_mma_normed`` ends a projection in
-the residual add and the next RMSNorm's first half, and ``rms=`` scales a GEMV by ``1 / rms`` from it:
-the decode layer's norms inside its GEMVs (``quant_norm_fold.py``; epilogues in
-``quant_gemv_epilogues.py``).
+that launch (``GATED``, through ``hub._gated_quant``; the epilogue in ``quant_gemv_epilogues.py``).
+The decode layer's RMSNorms folded around these GEMVs (o ending in the residual add and the norm's
+shares of ``sum(h^2)``, gate/up scaled by ``1 / rms``) were built and measured slower on an H200
+(bench/RESULTS.md run 23: int4 419 -> 409 tok/s, int8 303 -> 294): removed.
 
 On the CPU the tests run the whole kernel through the interpreter with its PTX emulated lane by lane
 (tests/ptx_exec.py, the ISA's fragment layouts) against the plain dot product and the reference.
@@ -43,9 +43,9 @@ import triton
 import triton.language as tl
 
 from .activation import _code
-from .grid import next_power_of_2, sm_count
+from .grid import sm_count
 from .pdl import pdl_enabled, release_dependents, wait_for_producer
-from .quant_gemv_epilogues import rstd_of, store_gated, store_normed, store_rows
+from .quant_gemv_epilogues import store_gated, store_rows
 from .quant_fragments import INT4_GROUP, INT8_BLOCK, int4_block_asm, int8_block_asm
 from .quant_matmul import PackedWeight, interpreting
 
@@ -203,20 +203,10 @@ def _block(w, x, s_at, z_at, n_blocks, ok, acc, r1, r2, FMT: tl.constexpr, HAS_Z
 
 
 @triton.jit
-def _shares(p_ptr, n_shares, SHARES: tl.constexpr):
-    """The shares of the rms (``SHARES > 0``), else a placeholder."""
-    if SHARES > 0:
-        i = tl.arange(0, SHARES)
-        return tl.load(p_ptr + i, mask=i < n_shares, other=0.0)
-    else:
-        return 0.0
-
-
-@triton.jit
-def _rotating(at, xb, s_at, z_at, p_ptr, n_shares, n_blocks, ld_q, warp, steps, r1, r2, acc, FMT: tl.constexpr,
-              WARPS: tl.constexpr, TILES: tl.constexpr, DEPTH: tl.constexpr, HAS_ZEROS: tl.constexpr,
-              EVEN: tl.constexpr, SHARES: tl.constexpr, USE_PDL: tl.constexpr, WIDE: tl.constexpr):
-    """A warp's blocks with DEPTH blocks of words in flight in registers: (acc, the rms shares)."""
+def _rotating(at, xb, s_at, z_at, n_blocks, ld_q, warp, steps, r1, r2, acc, FMT: tl.constexpr, WARPS: tl.constexpr,
+              TILES: tl.constexpr, DEPTH: tl.constexpr, HAS_ZEROS: tl.constexpr, EVEN: tl.constexpr,
+              USE_PDL: tl.constexpr, WIDE: tl.constexpr):
+    """A warp's blocks with DEPTH blocks of words in flight in registers."""
     X_STEP: tl.constexpr = 32 if FMT == FMT_INT4 else 16
     if EVEN:
         ok = tl.full([32 * WARPS], 1, tl.int1)
@@ -235,7 +225,6 @@ def _rotating(at, xb, s_at, z_at, p_ptr, n_shares, n_blocks, ld_q, warp, steps, 
         words_2 = _words(at + 16 * WARPS, ld_q, ok_2, r1, r2, TILES, WIDE, EVEN)
     wait_for_producer(USE_PDL)
     release_dependents(USE_PDL)
-    shares = _shares(p_ptr, n_shares, SHARES)  # read now, summed at the end
     # Unrolled DEPTH times, the blocks in flight rotate through registers without moves.
     for step in tl.range(1, steps, loop_unroll_factor=DEPTH):
         if EVEN:
@@ -257,22 +246,17 @@ def _rotating(at, xb, s_at, z_at, p_ptr, n_shares, n_blocks, ld_q, warp, steps, 
         s_at += WARPS
         z_at += WARPS
     acc = _block(words, _xs(xb, ok, FMT), s_at, z_at, n_blocks, ok, acc, r1, r2, FMT, HAS_ZEROS, TILES)
-    return acc, shares
+    return acc
 
 
 @triton.jit
-def _kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, n_blocks, ld_q, half, p_ptr, n_shares, n_in, eps, r_ptr,
-            g_ptr, h_ptr, po_ptr, FMT: tl.constexpr, WARPS: tl.constexpr, TILES: tl.constexpr, DEPTH: tl.constexpr,
+def _kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, n_blocks, ld_q, half, FMT: tl.constexpr, WARPS: tl.constexpr,
+            TILES: tl.constexpr, DEPTH: tl.constexpr,
             HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr,
-            SHARES: tl.constexpr, NORMED: tl.constexpr, USE_PDL: tl.constexpr, WIDE: tl.constexpr,
-            STAGED: tl.constexpr):
+            USE_PDL: tl.constexpr, WIDE: tl.constexpr, STAGED: tl.constexpr):
     # WIDE: each row's 16 bytes a lane as one load (``WIDE_LOADS``). STAGED: the weights and x reach a
     # block through DEPTH + 1 pipeliner stages in shared memory (``cp.async``) instead of registers.
-    # Epilogues (quant_gemv_epilogues.py): GATED >= 0, an activation code: act(gate) * up of a packed
-    # gate/up. SHARES > 0: the dots scaled by 1 / rms of x's un-normalised row, from the n_shares
-    # (<= SHARES) shares of its squares at p_ptr (n_in elements). NORMED: the residual add and the
-    # next norm's input: h = out + residual (r_ptr) into h_ptr, gamma (g_ptr) * h into out_ptr, the
-    # program's share of sum(h^2) into po_ptr.
+    # GATED >= 0, an activation code: act(gate) * up of a packed gate/up (quant_gemv_epilogues.py).
     # One element per lane: [32 * WARPS] tensors are laid out one per thread, element e on thread e.
     e = tl.arange(0, 32 * WARPS)
     lane = e % 32
@@ -313,46 +297,27 @@ def _kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, n_blocks, ld_q, half, p_
     if STAGED:
         wait_for_producer(USE_PDL)
         release_dependents(USE_PDL)
-        shares = _shares(p_ptr, n_shares, SHARES)
         for step in tl.range(0, steps, num_stages=DEPTH + 1):
             ok = warp + step * WARPS < n_blocks
             words = _staged_words(at + step * 8 * WARPS, ld_q, ok, r1, r2, TILES)
             acc = _block(words, _xs(xb + step * X_STEP * WARPS, ok, FMT), s_at + step * WARPS, z_at + step * WARPS,
                          n_blocks, ok, acc, r1, r2, FMT, HAS_ZEROS, TILES)
     else:
-        acc, shares = _rotating(at, xb, s_at, z_at, p_ptr, n_shares, n_blocks, ld_q, warp, steps, r1, r2, acc, FMT,
-                                WARPS, TILES, DEPTH, HAS_ZEROS, EVEN, SHARES, USE_PDL, WIDE)
+        acc = _rotating(at, xb, s_at, z_at, n_blocks, ld_q, warp, steps, r1, r2, acc, FMT, WARPS, TILES, DEPTH,
+                        HAS_ZEROS, EVEN, USE_PDL, WIDE)
     ROW_SCALE: tl.constexpr = FMT == FMT_INT8
-    HAS_RSTD: tl.constexpr = SHARES > 0
-    rstd = 1.0
-    if HAS_RSTD:
-        rstd = rstd_of(shares, n_in, eps)
     if GATED >= 0:
         if TILES == 1:
-            store_gated(acc[0], acc[1], s_ptr, b_ptr, out_ptr, row0, half, rstd, WARPS, ROW_SCALE, HAS_RSTD, HAS_BIAS,
-                        GATED)
+            store_gated(acc[0], acc[1], s_ptr, b_ptr, out_ptr, row0, half, WARPS, ROW_SCALE, HAS_BIAS, GATED)
         else:
-            store_gated(acc[0], acc[2], s_ptr, b_ptr, out_ptr, row0, half, rstd, WARPS, ROW_SCALE, HAS_RSTD, HAS_BIAS,
-                        GATED)
-            store_gated(acc[1], acc[3], s_ptr, b_ptr, out_ptr, row0 + 8, half, rstd, WARPS, ROW_SCALE, HAS_RSTD,
-                        HAS_BIAS, GATED)
-    elif NORMED:
-        share = store_normed(acc[0], s_ptr, b_ptr, r_ptr, g_ptr, h_ptr, out_ptr, row0, WARPS, ROW_SCALE, HAS_BIAS)
-        share += store_normed(acc[1], s_ptr, b_ptr, r_ptr, g_ptr, h_ptr, out_ptr, row0 + 8, WARPS, ROW_SCALE,
-                              HAS_BIAS)
-        if TILES == 2:
-            share += store_normed(acc[2], s_ptr, b_ptr, r_ptr, g_ptr, h_ptr, out_ptr, row0 + 16, WARPS, ROW_SCALE,
-                                  HAS_BIAS)
-            share += store_normed(acc[3], s_ptr, b_ptr, r_ptr, g_ptr, h_ptr, out_ptr, row0 + 24, WARPS, ROW_SCALE,
-                                  HAS_BIAS)
-        tl.store(po_ptr + tl.program_id(0), share)
+            store_gated(acc[0], acc[2], s_ptr, b_ptr, out_ptr, row0, half, WARPS, ROW_SCALE, HAS_BIAS, GATED)
+            store_gated(acc[1], acc[3], s_ptr, b_ptr, out_ptr, row0 + 8, half, WARPS, ROW_SCALE, HAS_BIAS, GATED)
     else:
-        store_rows(acc[0], s_ptr, b_ptr, out_ptr, row0, rstd, WARPS, ROW_SCALE, HAS_RSTD, HAS_BIAS)
-        store_rows(acc[1], s_ptr, b_ptr, out_ptr, row0 + 8, rstd, WARPS, ROW_SCALE, HAS_RSTD, HAS_BIAS)
+        store_rows(acc[0], s_ptr, b_ptr, out_ptr, row0, WARPS, ROW_SCALE, HAS_BIAS)
+        store_rows(acc[1], s_ptr, b_ptr, out_ptr, row0 + 8, WARPS, ROW_SCALE, HAS_BIAS)
         if TILES == 2:
-            store_rows(acc[2], s_ptr, b_ptr, out_ptr, row0 + 16, rstd, WARPS, ROW_SCALE, HAS_RSTD, HAS_BIAS)
-            store_rows(acc[3], s_ptr, b_ptr, out_ptr, row0 + 24, rstd, WARPS, ROW_SCALE, HAS_RSTD, HAS_BIAS)
-
+            store_rows(acc[2], s_ptr, b_ptr, out_ptr, row0 + 16, WARPS, ROW_SCALE, HAS_BIAS)
+            store_rows(acc[3], s_ptr, b_ptr, out_ptr, row0 + 24, WARPS, ROW_SCALE, HAS_BIAS)
 
 def supports(x: torch.Tensor, w: PackedWeight) -> bool:
     """One row of bf16 x on a GPU with bf16 mma (sm_80+), whole 16-row tiles, and int4 in groups of 128
@@ -398,41 +363,22 @@ def _check(x: torch.Tensor, w: PackedWeight) -> None:
 
 
 def quant_gemv_mma(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None,
-                   plan: tuple[int, int, int] | None = None, act: str | None = None,
-                   rms: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+                   plan: tuple | None = None, act: str | None = None) -> torch.Tensor:
     """``x [1, K]`` bf16 -> ``[1, N]`` bf16, bias added; see ``supports``. ``plan`` (warps, tiles a warp,
-    blocks in flight: one of ``DEPTHS``) overrides ``default_plan`` (benchmarks, tests).
+    blocks in flight: one of ``DEPTHS``[, staged: the blocks through shared memory]) overrides
+    ``default_plan`` (benchmarks, tests).
 
     With ``act`` (an ``activation.KERNEL_ACTIVATIONS`` name), ``w`` is a packed gate/up projection
     (gate rows, then as many up rows) and the result is ``act(gate) * up``, ``[1, N / 2]``: bit for bit
     the packed output passed through the act-and-mul kernel, without that launch. Each program does
-    the work of the plain plan's program (8 or 16 output rows from as many gate and up rows).
-
-    With ``rms = (shares, eps)``, x is ``gamma * h`` and the shares of ``sum(h^2)`` from
-    ``quant_gemv_mma_normed``: the result is that of ``x = RMSNorm(h)`` up to rounding."""
+    the work of the plain plan's program (8 or 16 output rows from as many gate and up rows)."""
     _check(x, w)
-    return _launch(x, w, bias, plan or default_plan(w.out_features, w.fmt, x.device), act, rms)
+    return _launch(x, w, bias, plan or default_plan(w.out_features, w.fmt, x.device), act)
 
 
-def quant_gemv_mma_normed(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, residual: torch.Tensor,
-                          norm_weight: torch.Tensor, plan: tuple[int, int, int] | None = None):
-    """The projection ``o = x W^T (+ bias)`` ending in the residual add and the next RMSNorm's first half:
-    ``(h, gamma * h, shares)`` with ``h = o + residual`` (``[1, N]``, rounded as the unfused add),
-    ``gamma = norm_weight`` and ``shares`` the programs' fp32 sums of ``h^2``, for
-    ``quant_gemv_mma(gamma * h, ..., rms=(shares, eps))``."""
-    _check(x, w)
-    n = w.out_features
-    if residual.shape != (1, n) or norm_weight.shape != (n,) or not (residual.is_contiguous() and norm_weight.is_contiguous()):
-        raise ValueError(f"quant_gemv_mma_normed: residual [1, {n}] and norm_weight [{n}], contiguous; got "
-                         f"{tuple(residual.shape)} and {tuple(norm_weight.shape)}")
-    return _launch(x, w, bias, plan or default_plan(n, w.fmt, x.device), None, None, (residual, norm_weight))
-
-
-def _launch(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, plan: tuple[int, int, int],
-            act: str | None = None, rms: tuple[torch.Tensor, float] | None = None,
-            normed: tuple[torch.Tensor, torch.Tensor] | None = None):
-    """The launch behind ``quant_gemv_mma`` and ``quant_gemv_mma_normed``, past their checks of the device
-    (the tests run it on the CPU through the interpreter, with the PTX emulated)."""
+def _launch(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, plan: tuple, act: str | None = None):
+    """The launch behind ``quant_gemv_mma``, past its checks of the device (the tests run it on the CPU
+    through the interpreter, with the PTX emulated)."""
     n = w.out_features
     warps, per_warp, depth, *staged = plan  # (staged: see STAGED in the kernel)
     gated = -1 if act is None else _code(act)
@@ -441,21 +387,14 @@ def _launch(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, plan: t
         what = "" if act is None else f" (gated: {per_warp} x 8 of the {n // 2} output rows a program)"
         raise ValueError(f"quant_gemv_mma: {per_warp} tiles of 16 rows a warp for {n} rows{what}, depth {depth} "
                          f"(one of {DEPTHS})")
-    programs = rows_out // rows_a_program
     words = w.qweight.view(torch.int64)
     out = torch.empty(1, rows_out, device=x.device, dtype=x.dtype)
-    shares, eps = rms if rms is not None else (out, 0.0)  # not read without rms
-    residual, gamma = normed if normed is not None else (out, out)  # not read unless normed
-    h = torch.empty_like(out) if normed is not None else out
-    shares_out = torch.empty(programs, device=x.device, dtype=torch.float32) if normed is not None else out
     pdl = pdl_enabled(x.device)
     zeros = w.zeros if w.zeros is not None else w.scales  # not read without zero points
-    _kernel[(programs,)](
+    _kernel[(rows_out // rows_a_program,)](
         x.view(torch.int64), words, w.scales, zeros, bias if bias is not None else out, out, w.n_blocks,
-        words.stride(0), n // 2, shares, shares.numel(), w.in_features, eps, residual, gamma, h, shares_out,
-        FMT=FMT_INT8 if w.fmt == "int8" else FMT_INT4, WARPS=warps, TILES=per_warp, DEPTH=depth,
-        HAS_ZEROS=w.zeros is not None, HAS_BIAS=bias is not None,
-        EVEN=UNMASKED_EVEN and w.n_blocks % warps == 0 and w.n_blocks >= depth * warps, GATED=gated,
-        SHARES=0 if rms is None else next_power_of_2(shares.numel()), NORMED=normed is not None, USE_PDL=pdl,
+        words.stride(0), n // 2, FMT=FMT_INT8 if w.fmt == "int8" else FMT_INT4, WARPS=warps, TILES=per_warp,
+        DEPTH=depth, HAS_ZEROS=w.zeros is not None, HAS_BIAS=bias is not None,
+        EVEN=UNMASKED_EVEN and w.n_blocks % warps == 0 and w.n_blocks >= depth * warps, GATED=gated, USE_PDL=pdl,
         WIDE=WIDE_LOADS, STAGED=bool(staged and staged[0]), num_warps=warps, launch_pdl=pdl)
-    return (h, out, shares_out) if normed is not None else out
+    return out

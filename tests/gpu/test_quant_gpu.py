@@ -203,7 +203,8 @@ def test_qlora_step_bf16():
 
 
 @pytest.mark.parametrize("plan", [(4, 1, 1), (8, 1, 1), (16, 1, 1), (8, 2, 1), (16, 2, 1), (8, 1, 2), (16, 2, 2),
-                                  (4, 2, 3), (16, 1, 3), None], ids=str)
+                                  (4, 2, 3), (16, 1, 3), None, (16, 1, 1, True), (8, 1, 2, True), (8, 2, 2, True),
+                                  (16, 1, 3, True)], ids=str)  # and staged through shared memory
 @pytest.mark.parametrize("fmt", ["int4_sym", "int4_asym", "int8"])
 @pytest.mark.parametrize("nk", [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (96, 256), (32, 128),
                                 (64, 4224), (32, 1152)], ids=str)  # and blocks not a multiple of the warps
@@ -265,7 +266,8 @@ def test_fragment_gemv_takes_int8_only_in_whole_blocks():
     assert err <= bound, (err, bound)
 
 
-@pytest.mark.parametrize("act,plan", [("silu", p) for p in (None, (8, 1, 1), (8, 2, 1), (16, 2, 2), (4, 1, 3))]
+@pytest.mark.parametrize("act,plan", [("silu", p) for p in (None, (8, 1, 1), (8, 2, 1), (16, 2, 2), (4, 1, 3),
+                                                             (8, 2, 2, True), (16, 1, 1, True))]
                          + [("gelu_pytorch_tanh", None), ("gelu", None)], ids=str)
 @pytest.mark.parametrize("fmt", ["int4_sym", "int4_asym", "int8"])
 @pytest.mark.parametrize("nk", [(24576, 4096), (6144, 1024), (64, 256), (32, 1152)], ids=str)  # gate + up rows
@@ -339,59 +341,3 @@ def test_quantized_decode_with_gated_gemv_gives_the_same_tokens(method, monkeypa
     eager = model.generate(ids, use_cuda_graph=False, **kw)
     assert "silu" in calls
     assert torch.equal(got, want) and torch.equal(eager, want)
-
-
-@pytest.mark.parametrize("gated", [False, True])
-@pytest.mark.parametrize("method", ["int8", "int4"])
-def test_quantized_decode_with_the_norms_folded(method, gated, monkeypatch):
-    """``quant_norm_fold.NORM_FOLD``: every layer's output projection (and the first layer's down
-    projection, for the second's input norm) ends in the residual add, and the GEMV after it scales by
-    1 / rms; a one-token forward's logits are the unfused ones up to rounding, and graphs give the
-    eager tokens."""
-    from cudaformers.kernels import quant_gemv_mma as fragment
-    from cudaformers.kernels import quant_norm_fold
-
-    model = _wide_model(method)
-    ids = torch.randint(3, 4000, (1, 1), generator=torch.Generator().manual_seed(1)).cuda()
-    with torch.no_grad():
-        want = model(ids).logits.float()
-    normed = []
-    real = fragment.quant_gemv_mma_normed
-    monkeypatch.setattr(fragment, "quant_gemv_mma_normed", lambda *a, **k: normed.append(1) or real(*a, **k))
-    monkeypatch.setattr(quant_norm_fold, "NORM_FOLD", True)
-    monkeypatch.setattr(fragment, "GATED", ("int4", "int8") if gated else ())
-    with torch.no_grad():
-        got = model(ids).logits.float()
-    assert len(normed) == 3
-    assert (got - want).norm() <= 0.02 * want.norm()
-    model.__dict__.pop("_decode_runners", None)
-    prompt = torch.randint(3, 4000, (1, 9), generator=torch.Generator().manual_seed(0)).cuda()
-    kw = dict(max_new_tokens=24, do_sample=False, eos_token_id=None)
-    assert torch.equal(model.generate(prompt, **kw), model.generate(prompt, use_cuda_graph=False, **kw))
-
-
-@pytest.mark.parametrize("fmt", ["int4_sym", "int8"])
-def test_normed_projection_and_rms_scaled_gemv_at_qwen3_8b_shapes(fmt):
-    """o (4096 x 4096) ending in the residual add, then gate/up (24576 x 4096) scaled by 1 / rms: h and
-    gamma * h bit for bit the unfused sums (round to nearest here), gate/up that of the RMSNorm'd row up to
-    rounding, and its gated form that output through the act-and-mul kernel."""
-    from cudaformers.kernels.activation import act_and_mul_forward
-    from cudaformers.kernels.quant_gemv_mma import quant_gemv_mma, quant_gemv_mma_normed
-    from cudaformers.layers.norm import rms_norm_reference
-
-    g = torch.Generator(device="cuda").manual_seed(0)
-    w_o = _packed(fmt, torch.randn(4096, 4096, device="cuda", generator=g) * 0.02)
-    w_gu = _packed(fmt, torch.randn(24576, 4096, device="cuda", generator=g) * 0.02)
-    x = torch.randn(1, 4096, device="cuda", generator=g).bfloat16()
-    residual = torch.randn(1, 4096, device="cuda", generator=g).bfloat16()
-    gamma = (1 + 0.2 * torch.randn(4096, device="cuda", generator=g)).bfloat16()
-    h, gamma_h, shares = quant_gemv_mma_normed(x, w_o, None, residual, gamma)
-    assert torch.equal(h, quant_gemv_mma(x, w_o) + residual)
-    assert torch.equal(gamma_h, (h.float() * gamma.float()).bfloat16())
-    torch.testing.assert_close(shares.sum(), h.float().pow(2).sum(), rtol=1e-5, atol=0)
-    got = quant_gemv_mma(gamma_h, w_gu, rms=(shares, 1e-6)).float()
-    want = quant_gemv_mma(rms_norm_reference(h, gamma, 1e-6), w_gu).float()
-    assert (got - want).norm() <= 0.01 * want.norm()
-    gated = quant_gemv_mma(gamma_h, w_gu, rms=(shares, 1e-6), act="silu")
-    plain = quant_gemv_mma(gamma_h, w_gu, rms=(shares, 1e-6))
-    assert torch.equal(gated, act_and_mul_forward(plain[:, :12288], plain[:, 12288:], "silu"))
