@@ -139,14 +139,14 @@ for part in "${parts[@]}"; do
     # The switches not yet measured (bench/RESULTS.md "Not yet run on a GPU"): the fragment GEMV's unmasked
     # loads, then the batch-1 paged decode's spill-free tiles, alone and with qk_norm_rope fused in.
     unmasked-ab) run unmasked-bench 200 python3 bench/quant_gemv_mma.py --unmasked
-    staged-bench) run staged-bench-int4 300 python3 bench/quant_gemv_mma.py --formats int4 --variants \
-                    "16,1,1;8,1,2;8,2,1;16,1,1,s;16,1,2,s;16,1,3,s;8,1,2,s;8,1,3,s;8,2,1,s;8,2,2,s;8,2,3,s;4,2,2,s;4,2,3,s"
-                  run staged-bench-int8 200 python3 bench/quant_gemv_mma.py --formats int8 --variants \
-                    "16,1,2;8,1,3;16,1,1,s;16,1,2,s;8,1,2,s;8,1,3,s;4,1,3,s" ;;
                  run unmasked-decode 200 python3 bench/quant.py --parts decode --shapes qwen3-8b --methods \
                    bf16,int4,int4_unmasked,int8,int8_unmasked --json "$OUT/results.jsonl" ;;
+    staged-bench) run staged-bench-int4 300 python3 bench/quant_gemv_mma.py --formats int4 --variants \
+                    "16,1,1;8,1,2;8,2,1;16,1,2,s;8,2,2,s;16,1,1,w;16,1,2,w;16,1,3,w;8,1,2,w;8,1,3,w;8,2,1,w;8,2,2,w;8,2,3,w;4,2,2,w;4,2,3,w;4,1,3,w"
+                  run staged-bench-int8 200 python3 bench/quant_gemv_mma.py --formats int8 --variants \
+                    "16,1,2;8,1,3;16,1,2,s;16,1,1,w;16,1,2,w;16,1,3,w;8,1,2,w;8,1,3,w;4,1,3,w;8,2,2,w" ;;
     quant-gated-tests) run quant-gated-tests 240 python3 -m pytest -q -rfE --tb=line -m gpu -p no:cacheprovider -n 8 \
-                         tests/gpu/test_quant_gpu.py -k "gated or normed or folded or load_switches" ;;
+                         tests/gpu/test_quant_gpu.py -k "gated or load_switches" ;;
     quant-gated-ab) run quant-folds 60 python3 bench/quant_gemv_mma.py --folds
                     run quant-gated-ab 420 python3 bench/quant.py --parts decode --shapes qwen3-8b --methods \
                       bf16,int4,int4_nogated,int4_nowide,int4_fold,int4_head,int8,int8_gated,int8_fold,int8_head,bf16 \

@@ -6,7 +6,8 @@ qwen3-8b's layers at batch 1 (q/k/v and gate/up packed), weights read from HBM (
 
 us per call in a CUDA graph of 50 calls (PDL as in decode; best of five replays), and the packed bytes' rate;
 the bf16 GEMV of the same layer for scale. Fragment variants are (warps, tiles a warp, blocks in flight),
-and an "s" after them for blocks staged through shared memory (``cp.async``) instead of registers.
+and an "s" after them for blocks staged through shared memory (``cp.async``) instead of registers, "w"
+for their weights only.
 ``--folds`` instead times gate/up with the act-and-mul in its epilogue against gate/up then the
 act-and-mul kernel, at the default plans.
 """
@@ -28,8 +29,10 @@ VARIANTS = ("8,1,1;16,1,1;4,2,1;8,2,1;8,1,2;16,1,2;4,2,2;8,2,2;8,1,3;16,1,3;4,2,
 
 
 def parse_variants(text: str) -> list[tuple]:
-    """``"8,2,1;8,2,2,s"`` -> ``[(8, 2, 1), (8, 2, 2, True)]``."""
-    return [tuple(int(v) for v in item.split(",")[:3]) + ((True,) if item.endswith(",s") else ())
+    """``"8,2,1;8,2,2,s;8,2,2,w"`` -> ``[(8, 2, 1), (8, 2, 2, 1), (8, 2, 2, 2)]``: ``s`` the blocks staged
+    through shared memory, ``w`` their weights only (x loaded in place)."""
+    staged = {"s": (1,), "w": (2,)}
+    return [tuple(int(v) for v in item.split(",")[:3]) + staged.get(item.split(",")[-1], ())
             for item in text.split(";") if item]
 
 
@@ -87,7 +90,7 @@ def main() -> None:
             ref = qm.quant_matmul_reference(x.float(), ws[0])
             errors = []
             for plan in parse_variants(args.variants):
-                staged = " staged" if len(plan) > 3 else ""
+                staged = {1: " staged", 2: " staged weights"}.get(plan[3] if len(plan) > 3 else 0, "")
                 rows[f"{fmt} fragment {plan[0]}w {plan[1]}t d{plan[2]}{staged}"] = (graph_us(
                     [lambda w=w, c=plan: quant_gemv_mma(x, w, plan=c) for w in ws]), nbytes)
                 errors.append((quant_gemv_mma(x, ws[0], plan=plan).float() - ref).abs().max().item())

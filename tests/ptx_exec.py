@@ -158,10 +158,25 @@ def emulate_inline_asm(monkeypatch) -> None:
         return _Call([interpreter.TensorHandle(words[:, j].reshape(shape).copy(), ty.scalar)
                       for j, ty in enumerate(types)])
 
+    def load_words(asm, values, types):
+        """The fragment GEMV's 8-byte x loads (``quant_gemv_mma._X_IF``): an int64 at each lane's address,
+        0 where the predicate operand is 0."""
+        import ctypes
+
+        addresses, keep = values[0].data.reshape(-1), values[1].data.reshape(-1)
+        words = np.zeros(addresses.size, dtype=np.int64)
+        for i, (address, on) in enumerate(zip(addresses.tolist(), keep.tolist())):
+            if on:
+                assert address % 8 == 0, f"an 8-byte load from an unaligned address {address:#x}"
+                words[i] = np.frombuffer(ctypes.string_at(address, 8), dtype=np.int64)[0]
+        return _Call([interpreter.TensorHandle(words.reshape(values[0].data.shape), types[0].scalar)])
+
     def create_inline_asm(self, asm, constraints, values, types, is_pure, pack):
         assert pack == 1, "only one element per asm instance is emulated"
         if "ld.global.nc" in asm and "v2.u64" in asm:
             return load_pairs(asm, values, types)
+        if "ld.global.nc.u64" in asm:
+            return load_words(asm, values, types)
         cons = constraints.split(",")
         n_out = sum(c.startswith("=") for c in cons)
         flat = [v.data.reshape(-1) for v in values]

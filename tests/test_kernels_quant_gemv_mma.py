@@ -125,7 +125,7 @@ sig = dict(x_ptr="*i64", q_ptr="*i64", s_ptr="*bf16", z_ptr="*bf16", b_ptr="*bf1
 for fmt, zeros, tiles, depth, gated, staged in (
         (0, False, 1, 1, -1, 0), (0, True, 1, 2, -1, 0), (0, True, 2, 3, -1, 0), (1, False, 1, 2, -1, 0),
         (1, False, 2, 1, -1, 0), (1, False, 2, 3, -1, 0), (0, True, 2, 1, 0, 0), (0, False, 1, 2, 1, 0),
-        (1, False, 1, 3, 0, 0), (1, True, 2, 2, 2, 0), (0, False, 2, 2, 0, 1), (1, False, 1, 2, -1, 1)):
+        (1, False, 1, 3, 0, 0), (1, True, 2, 2, 2, 0), (0, False, 2, 2, 0, 1), (1, False, 1, 2, -1, 2)):
     src = ASTSource(m._kernel, dict(sig, s_ptr="*fp32" if fmt else "*bf16"),
                     dict(FMT=fmt, WARPS=8, TILES=tiles, DEPTH=depth, HAS_ZEROS=zeros, HAS_BIAS=zeros,
                          EVEN=(zeros or tiles == 2) and not staged, GATED=gated, USE_PDL=True, WIDE=tiles == 2,
@@ -179,13 +179,15 @@ def _weights(fmt: str, n: int, k: int, seed: int):
 
 def _launch(monkeypatch, x, w, bias, plan, act=None, even=False, loads=""):
     """The kernel on the CPU; ``loads="wide"``: the weights as 16-byte loads (WIDE_LOADS), ``"staged"``:
-    through the pipeliner's stages (the plan's fourth element), else 8-byte loads into registers."""
+    through the pipeliner's stages (the plan's fourth element), ``"staged_weights"``: the weights so and
+    x loaded inline, else 8-byte loads into registers."""
     from cudaformers.kernels import quant_gemv_mma as m
 
     emulate_inline_asm(monkeypatch)
     monkeypatch.setattr(m, "UNMASKED_EVEN", even)
     monkeypatch.setattr(m, "WIDE_LOADS", loads == "wide")
-    return m._launch(x, w, bias, (*plan, True) if loads == "staged" else plan, act)
+    staged = {"staged": 1, "staged_weights": 2}.get(loads)
+    return m._launch(x, w, bias, (*plan, staged) if staged else plan, act)
 
 
 # (fmt, n, k, plan, unmasked where every warp has as many blocks): 2-12 blocks a row (int4 128 codes,
@@ -199,7 +201,7 @@ KERNEL_CASES = [("int4_sym", 32, 640, (2, 1, 1), False), ("int4_asym", 64, 256, 
 
 
 # the weights as two 8-byte loads a row and lane, one of 16, or staged through shared memory
-@pytest.mark.parametrize("loads", ["", "wide", "staged"])
+@pytest.mark.parametrize("loads", ["", "wide", "staged", "staged_weights"])
 @pytest.mark.parametrize("fmt,n,k,plan,even", KERNEL_CASES, ids=str)
 def test_the_kernel_matches_the_reference_on_the_cpu(monkeypatch, fmt, n, k, plan, even, loads):
     from cudaformers.kernels.quant_matmul import quant_matmul_reference
@@ -215,7 +217,7 @@ def test_the_kernel_matches_the_reference_on_the_cpu(monkeypatch, fmt, n, k, pla
 
 @pytest.mark.parametrize("fmt,n,k,plan,even,act", [c + ("silu",) for c in KERNEL_CASES] + [
     KERNEL_CASES[1] + ("gelu_pytorch_tanh",), KERNEL_CASES[5] + ("gelu",)], ids=str)
-@pytest.mark.parametrize("loads", ["", "staged"])
+@pytest.mark.parametrize("loads", ["", "staged", "staged_weights"])
 def test_gated_kernel_is_the_act_and_mul_of_the_plain_one(monkeypatch, fmt, n, k, plan, even, act, loads):
     from cudaformers.kernels.activation import act_and_mul_forward
 

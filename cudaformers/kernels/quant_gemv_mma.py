@@ -73,6 +73,7 @@ WIDE_LOADS = True
 _PAIR = tl.constexpr("ld.global.nc.L1::no_allocate.v2.u64 {$0, $1}, [$2];")
 _PAIR_IF = tl.constexpr("{ .reg .pred p; setp.ne.b32 p, $3, 0; mov.b64 $0, 0; mov.b64 $1, 0; "
                         "@p ld.global.nc.L1::no_allocate.v2.u64 {$0, $1}, [$2]; }")
+_X_IF = tl.constexpr("{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.b64 $0, 0; @p ld.global.nc.u64 $0, [$1]; }")
 
 
 @triton.jit
@@ -141,17 +142,25 @@ def _scaled(d, xs, s_at, z_at, ok, HAS_ZEROS: tl.constexpr):
 
 
 @triton.jit
-def _xs(xb, ok, FMT: tl.constexpr):
+def _x(at, ok, DIRECT: tl.constexpr):
+    """One int64 of x, 0 where not ``ok``; DIRECT: an inline load, which the pipeliner leaves in place
+    (x, read by 8 lanes alike, is not worth a shared-memory stage)."""
+    if DIRECT:
+        return tl.inline_asm_elementwise(_X_IF, "=l,l,r", [at, ok.to(tl.int32)], dtype=tl.int64, is_pure=False,
+                                         pack=1)
+    else:
+        return tl.load(at, mask=ok, other=0)
+
+
+@triton.jit
+def _xs(xb, ok, FMT: tl.constexpr, DIRECT: tl.constexpr = False):
     """The lane's pieces of x for one block (``xb`` at its first 4-element piece, x as int64): 8 for
     int4, 4 for int8; 0 outside the K range (``ok`` false)."""
     if FMT == FMT_INT8:
-        return (tl.load(xb, mask=ok, other=0), tl.load(xb + 4, mask=ok, other=0), tl.load(xb + 8, mask=ok, other=0),
-                tl.load(xb + 12, mask=ok, other=0))
+        return (_x(xb, ok, DIRECT), _x(xb + 4, ok, DIRECT), _x(xb + 8, ok, DIRECT), _x(xb + 12, ok, DIRECT))
     else:
-        return (tl.load(xb, mask=ok, other=0), tl.load(xb + 4, mask=ok, other=0), tl.load(xb + 8, mask=ok, other=0),
-                tl.load(xb + 12, mask=ok, other=0), tl.load(xb + 16, mask=ok, other=0),
-                tl.load(xb + 20, mask=ok, other=0), tl.load(xb + 24, mask=ok, other=0),
-                tl.load(xb + 28, mask=ok, other=0))
+        return (_x(xb, ok, DIRECT), _x(xb + 4, ok, DIRECT), _x(xb + 8, ok, DIRECT), _x(xb + 12, ok, DIRECT),
+                _x(xb + 16, ok, DIRECT), _x(xb + 20, ok, DIRECT), _x(xb + 24, ok, DIRECT), _x(xb + 28, ok, DIRECT))
 
 
 @triton.jit
@@ -254,8 +263,9 @@ def _kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, n_blocks, ld_q, half, FM
             TILES: tl.constexpr, DEPTH: tl.constexpr,
             HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr,
             USE_PDL: tl.constexpr, WIDE: tl.constexpr, STAGED: tl.constexpr):
-    # WIDE: each row's 16 bytes a lane as one load (``WIDE_LOADS``). STAGED: the weights and x reach a
-    # block through DEPTH + 1 pipeliner stages in shared memory (``cp.async``) instead of registers.
+    # WIDE: each row's 16 bytes a lane as one load (``WIDE_LOADS``). STAGED: a block's weights (1: and its
+    # x; 2: not x) reach it through DEPTH + 1 pipeliner stages in shared memory (``cp.async``) instead of
+    # registers.
     # GATED >= 0, an activation code: act(gate) * up of a packed gate/up (quant_gemv_epilogues.py).
     # One element per lane: [32 * WARPS] tensors are laid out one per thread, element e on thread e.
     e = tl.arange(0, 32 * WARPS)
@@ -300,8 +310,9 @@ def _kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, n_blocks, ld_q, half, FM
         for step in tl.range(0, steps, num_stages=DEPTH + 1):
             ok = warp + step * WARPS < n_blocks
             words = _staged_words(at + step * 8 * WARPS, ld_q, ok, r1, r2, TILES)
-            acc = _block(words, _xs(xb + step * X_STEP * WARPS, ok, FMT), s_at + step * WARPS, z_at + step * WARPS,
-                         n_blocks, ok, acc, r1, r2, FMT, HAS_ZEROS, TILES)
+            xs = _xs(xb + step * X_STEP * WARPS, ok, FMT, STAGED == 2)
+            acc = _block(words, xs, s_at + step * WARPS, z_at + step * WARPS, n_blocks, ok, acc, r1, r2, FMT, HAS_ZEROS,
+                         TILES)
     else:
         acc = _rotating(at, xb, s_at, z_at, n_blocks, ld_q, warp, steps, r1, r2, acc, FMT, WARPS, TILES, DEPTH,
                         HAS_ZEROS, EVEN, USE_PDL, WIDE)
@@ -365,7 +376,7 @@ def _check(x: torch.Tensor, w: PackedWeight) -> None:
 def quant_gemv_mma(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None,
                    plan: tuple | None = None, act: str | None = None) -> torch.Tensor:
     """``x [1, K]`` bf16 -> ``[1, N]`` bf16, bias added; see ``supports``. ``plan`` (warps, tiles a warp,
-    blocks in flight: one of ``DEPTHS``[, staged: the blocks through shared memory]) overrides
+    blocks in flight: one of ``DEPTHS``[, staged: 1 the blocks through shared memory, 2 their weights only]) overrides
     ``default_plan`` (benchmarks, tests).
 
     With ``act`` (an ``activation.KERNEL_ACTIVATIONS`` name), ``w`` is a packed gate/up projection
@@ -380,7 +391,7 @@ def _launch(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, plan: t
     """The launch behind ``quant_gemv_mma``, past its checks of the device (the tests run it on the CPU
     through the interpreter, with the PTX emulated)."""
     n = w.out_features
-    warps, per_warp, depth, *staged = plan  # (staged: see STAGED in the kernel)
+    warps, per_warp, depth, *staged = plan  # staged: 1 (or True) or 2, STAGED in the kernel
     gated = -1 if act is None else _code(act)
     rows_out, rows_a_program = (n, 16 * per_warp) if act is None else (n // 2, 8 * per_warp)
     if rows_out % rows_a_program or depth not in DEPTHS:
@@ -396,5 +407,5 @@ def _launch(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, plan: t
         words.stride(0), n // 2, FMT=FMT_INT8 if w.fmt == "int8" else FMT_INT4, WARPS=warps, TILES=per_warp,
         DEPTH=depth, HAS_ZEROS=w.zeros is not None, HAS_BIAS=bias is not None,
         EVEN=UNMASKED_EVEN and w.n_blocks % warps == 0 and w.n_blocks >= depth * warps, GATED=gated, USE_PDL=pdl,
-        WIDE=WIDE_LOADS, STAGED=bool(staged and staged[0]), num_warps=warps, launch_pdl=pdl)
+        WIDE=WIDE_LOADS, STAGED=int(staged[0]) if staged else 0, num_warps=warps, launch_pdl=pdl)
     return out
