@@ -13,7 +13,8 @@ replaces. Decode methods may end in switches: ``_fma`` (the FMA GEMV instead of 
 (batch 1 without the fragment GEMV), ``_gated`` / ``_nogated`` (``quant_gemv_mma.GATED`` for both formats or
 none: gate/up's act-and-mul in the fragment GEMV; by default int4 only), ``_unmasked``
 (``quant_gemv_mma.UNMASKED_EVEN``), ``_wide`` / ``_nowide`` (``WIDE_LOADS``, on by default), ``_lat`` (the
-batch-1 paged decode's tiling before run 23: 32 KB K tiles), e.g. ``int4_nogated_nowide``. decode: W1/W2 (generate, batch 1,
+batch-1 paged decode's tiling before run 23: 32 KB K tiles), ``_plans`` (the fragment GEMV's plans per layer
+from ``--plans``, as ``bench/quant_gemv_mma.py --best`` writes them), e.g. ``int4_nogated_nowide``. decode: W1/W2 (generate, batch 1,
 128-token prompt, 256 new tokens, greedy; triton attention and use_kernels=True for every method, bf16 too) per method
 on the same saved random weights, with peak memory. qlora: one NF4 + LoRA (r 16, all linear layers)
 training step on qwen3-8b shapes at batch 1 x 2048 with gradient checkpointing: peak memory (goal <= 12 GiB) and step time. Each case runs in its own
@@ -227,7 +228,7 @@ def bench_mma(methods, bw, env, json_path, tilings=None, ms=(1, 16)) -> list[dic
     return rows
 
 
-SWITCHES = ("fma", "dot", "gated", "nogated", "unmasked", "lat", "wide", "nowide")
+SWITCHES = ("fma", "dot", "gated", "nogated", "unmasked", "lat", "wide", "nowide", "plans")
 
 
 def method_switches(method: str) -> tuple[str, set[str]]:
@@ -239,7 +240,7 @@ def method_switches(method: str) -> tuple[str, set[str]]:
     return "_".join(parts), switches
 
 
-def bench_decode(shape, methods, bw, env, json_path) -> list[dict]:
+def bench_decode(shape, methods, bw, env, json_path, plans_path=None) -> list[dict]:
     from cudaformers import AutoModelForCausalLM
 
     folder = random_checkpoint(shape, Path(f"/tmp/bench-{shape}"))
@@ -250,7 +251,12 @@ def bench_decode(shape, methods, bw, env, json_path) -> list[dict]:
     from cudaformers.kernels import quant_matmul as qm
     from cudaformers.kernels import paged_decode
 
-    defaults = fragment.GATED, fragment.WIDE_LOADS  # what a method without those switches runs
+    defaults = fragment.GATED, fragment.WIDE_LOADS, fragment._launch  # what a method without those switches runs
+    # "_plans": the fragment GEMV's plan per (format, N, K) from --plans (bench/quant_gemv_mma.py --best)
+    table = {(r["fmt"], r["n"], r["k"]): tuple(r["plan"]) for r in json.load(open(plans_path))} if plans_path else {}
+
+    def planned(x, w, bias, plan, act=None):
+        return defaults[2](x, w, bias, table.get((w.fmt, w.out_features, w.in_features), plan), act)
     for method in methods:
         try:
             _free()
@@ -261,6 +267,7 @@ def bench_decode(shape, methods, bw, env, json_path) -> list[dict]:
             fragment.GATED = ("int4", "int8") if "gated" in switches else () if "nogated" in switches else defaults[0]
             fragment.UNMASKED_EVEN = "unmasked" in switches  # its loads without masks
             fragment.WIDE_LOADS = "wide" in switches or ("nowide" not in switches and defaults[1])  # 16 bytes a load
+            fragment._launch = planned if "plans" in switches else defaults[2]
             # the batch-1 paged decode in 4 warps of 32 KB K tiles, 2 stages: the tiling before run 23
             paged_decode.LATENCY_WARPS, paged_decode.LATENCY_KEYS, paged_decode.LATENCY_STAGES = (
                 (4, 0, 2) if "lat" in switches else (4, 64, 2))
@@ -335,6 +342,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="qwen3-0.6b,qwen3-8b")
     ap.add_argument("--methods", default="bf16,int8,int4,nf4,fp8")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--plans", default=None, help="decode: the fragment plans of the _plans switch (a JSON file)")
     args = ap.parse_args()
     env = environment()
     bw = copy_bandwidth()
@@ -346,7 +354,7 @@ def main() -> None:
     tilings = [None] + [tuple(t) for t in json.loads(args.mma_tiles)] if args.mma_tiles else None
     mma = bench_mma(methods, bw, env, args.json, tilings, tuple(int(m) for m in args.mma_m.split(","))) \
         if "mma" in parts else []
-    decode = [r for s in args.shapes.split(",") for r in bench_decode(s, methods, bw, env, args.json)] \
+    decode = [r for s in args.shapes.split(",") for r in bench_decode(s, methods, bw, env, args.json, args.plans)] \
         if "decode" in parts else []
     qlora = bench_qlora(env, args.json) if "qlora" in parts else []
 

@@ -15,6 +15,7 @@ act-and-mul kernel, at the default plans.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -61,6 +62,7 @@ def main() -> None:
     ap.add_argument("--variants", default=VARIANTS, help="fragment plans: warps,tiles,depth[,s];...")
     ap.add_argument("--unmasked", action="store_true", help="loads without masks where the blocks divide evenly")
     ap.add_argument("--nowide", action="store_true", help="the weights as 8-byte loads (WIDE_LOADS off)")
+    ap.add_argument("--best", default=None, help="write the fastest variant per format and layer (JSON) here")
     ap.add_argument("--folds", action="store_true", help="the gated GEMV against its two launches")
     args = ap.parse_args()
     if args.folds:
@@ -77,6 +79,7 @@ def main() -> None:
 
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     total: dict[str, float] = {}
+    best: dict[tuple, dict] = {}
     for name, (n, k) in SHAPES.items():
         w32 = torch.randn(n, k, device="cuda") * 0.02
         x = torch.randn(1, k, device="cuda").bfloat16()
@@ -91,8 +94,10 @@ def main() -> None:
             errors = []
             for plan in parse_variants(args.variants):
                 staged = {1: " staged", 2: " staged weights"}.get(plan[3] if len(plan) > 3 else 0, "")
-                rows[f"{fmt} fragment {plan[0]}w {plan[1]}t d{plan[2]}{staged}"] = (graph_us(
-                    [lambda w=w, c=plan: quant_gemv_mma(x, w, plan=c) for w in ws]), nbytes)
+                us = graph_us([lambda w=w, c=plan: quant_gemv_mma(x, w, plan=c) for w in ws])
+                rows[f"{fmt} fragment {plan[0]}w {plan[1]}t d{plan[2]}{staged}"] = (us, nbytes)
+                if us < best.get((fmt, n, k), {}).get("us", float("inf")):
+                    best[fmt, n, k] = dict(fmt=fmt, n=n, k=k, plan=list(plan), us=round(us, 2))
                 errors.append((quant_gemv_mma(x, ws[0], plan=plan).float() - ref).abs().max().item())
             err = (quant_gemv_mma(x, ws[0]).float() - ref).abs().max().item()
             print(f"{name} {n}x{k} {fmt}: {nbytes / 1e6:.1f} MB; fragment GEMV max error {err:.2e}, over the "
@@ -102,6 +107,9 @@ def main() -> None:
             print(f"  {label:30s} {us:7.2f} us  {nbytes / 1e6 / us:5.2f} TB/s")
             total[label] = total.get(label, 0.0) + us
     print("a layer (four calls):", {k: round(v, 2) for k, v in total.items()})
+    if args.best:
+        Path(args.best).write_text(json.dumps(list(best.values()), indent=1))
+        print("fastest:", list(best.values()))
 
 
 def folds(formats: list[str]) -> None:
