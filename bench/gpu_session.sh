@@ -141,12 +141,17 @@ for part in "${parts[@]}"; do
     unmasked-ab) run unmasked-bench 200 python3 bench/quant_gemv_mma.py --unmasked
                  run unmasked-decode 200 python3 bench/quant.py --parts decode --shapes qwen3-8b --methods \
                    bf16,int4,int4_unmasked,int8,int8_unmasked --json "$OUT/results.jsonl" ;;
-    # The fragment GEMV's blocks through shared memory (s: weights and x, w: weights only) against the
-    # register plans; the fastest plan per layer then runs the decode ("_plans").
-    staged-bench) run staged-bench 480 python3 bench/quant_gemv_mma.py --formats int4,int8 --best "$OUT/plans.json" \
-                    --variants "16,1,1;16,1,2;8,1,2;8,1,3;8,2,1;16,1,2,s;8,2,2,s;16,1,1,w;16,1,2,w;16,1,3,w;8,1,2,w;8,1,3,w;8,2,1,w;8,2,2,w;8,2,3,w;4,2,2,w;4,2,3,w;4,1,3,w" ;;
-    staged-decode) run staged-decode 400 python3 bench/quant.py --parts decode --shapes qwen3-8b --plans "$OUT/plans.json" \
-                     --methods bf16,int4,int4_plans,int8,int8_plans --json "$OUT/results.jsonl" ;;
+    # How the fragment GEMV's blocks of weights load (quant_gemv_mma.LOADS; bench/sass_schedule.py shows each
+    # in SASS): in registers as measured (no letter), past a fence a block (p: read-only loads, c: coherent
+    # loads, which SASS issues exactly DEPTH blocks ahead), or through shared memory (s: with x, w: weights
+    # only). frag-tests checks the new plans against the reference; frag-bench times every variant on
+    # qwen3-8b's layers and writes the fastest per layer; frag-decode runs the decode with those plans.
+    frag-tests) run frag-tests 240 python3 -m pytest -q -rfE --tb=line -m gpu -p no:cacheprovider -n 8 \
+                  tests/gpu/test_quant_gpu.py -k "fragment_gemv_matches_reference or gated_fragment_gemv" ;;
+    frag-bench) run frag-bench 540 python3 bench/quant_gemv_mma.py --formats int4,int8 --best "$OUT/plans.json" \
+                  --variants "16,1,1;8,1,2;8,2,1;16,1,2;8,1,3;16,1,1,p;8,1,2,p;8,2,1,p;16,1,2,p;16,1,1,c;8,1,2,c;8,2,1,c;16,1,2,c;8,1,3,c;16,1,3,c;8,2,2,c;8,2,2,s;16,1,2,w;8,2,2,w;8,1,3,w" ;;
+    frag-decode) run frag-decode 400 python3 bench/quant.py --parts decode --shapes qwen3-8b --plans "${PLANS:-$OUT/plans.json}" \
+                   --methods bf16,int4,int4_plans,int8,int8_plans,int4_head_plans --json "$OUT/results.jsonl" ;;
     quant-gated-tests) run quant-gated-tests 240 python3 -m pytest -q -rfE --tb=line -m gpu -p no:cacheprovider -n 8 \
                          tests/gpu/test_quant_gpu.py -k "gated or load_switches" ;;
     quant-gated-ab) run quant-folds 60 python3 bench/quant_gemv_mma.py --folds

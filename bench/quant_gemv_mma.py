@@ -30,11 +30,15 @@ VARIANTS = ("8,1,1;16,1,1;4,2,1;8,2,1;8,1,2;16,1,2;4,2,2;8,2,2;8,1,3;16,1,3;4,2,
 
 
 def parse_variants(text: str) -> list[tuple]:
-    """``"8,2,1;8,2,2,s;8,2,2,w"`` -> ``[(8, 2, 1), (8, 2, 2, 1), (8, 2, 2, 2)]``: ``s`` the blocks staged
-    through shared memory, ``w`` their weights only (x loaded in place)."""
-    staged = {"s": (1,), "w": (2,)}
-    return [tuple(int(v) for v in item.split(",")[:3]) + staged.get(item.split(",")[-1], ())
+    """``"8,2,1;8,2,2,s;8,2,2,w"`` -> ``[(8, 2, 1), (8, 2, 2, 1), (8, 2, 2, 2)]``: a letter names how the
+    blocks load (``quant_gemv_mma.LOADS``): ``s`` staged through shared memory, ``w`` their weights only
+    (x loaded in place), ``p`` in registers past a fence, ``c`` so on the coherent path."""
+    return [tuple(int(v) for v in item.split(",")[:3]) + LOAD_LETTERS.get(item.split(",")[-1], ())
             for item in text.split(";") if item]
+
+
+LOAD_LETTERS = {"s": (1,), "w": (2,), "p": (3,), "c": (4,)}
+LOAD_NAMES = {1: " staged", 2: " staged weights", 3: " pinned", 4: " pinned coherent"}
 
 
 def packed_copies(fmt: str, w32: torch.Tensor):
@@ -93,7 +97,7 @@ def main() -> None:
             ref = qm.quant_matmul_reference(x.float(), ws[0])
             errors = []
             for plan in parse_variants(args.variants):
-                staged = {1: " staged", 2: " staged weights"}.get(plan[3] if len(plan) > 3 else 0, "")
+                staged = LOAD_NAMES.get(plan[3] if len(plan) > 3 else 0, "")
                 us = graph_us([lambda w=w, c=plan: quant_gemv_mma(x, w, plan=c) for w in ws])
                 rows[f"{fmt} fragment {plan[0]}w {plan[1]}t d{plan[2]}{staged}"] = (us, nbytes)
                 if us < best.get((fmt, n, k), {}).get("us", float("inf")):

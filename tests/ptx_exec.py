@@ -84,6 +84,8 @@ def run_warp(asm: str, args: list[list[int]]) -> list[dict[int, int | float]]:
         line = line.strip().rstrip(";")
         if not line or line in "{}" or line.startswith(".reg"):
             continue
+        if line.startswith("fence."):  # orders memory, which is read in program order here
+            continue
         op, rest = line.split(None, 1)
         if op == "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32":
             assert len(lanes) == 32, "an mma needs the whole warp"
@@ -97,7 +99,7 @@ def run_warp(asm: str, args: list[list[int]]) -> list[dict[int, int | float]]:
                 continue
             ops = _names(rest)
             dst = ops[0]
-            if op in ("mov.b32", "mov.f32"):
+            if op in ("mov.b32", "mov.u32", "mov.f32"):
                 r = val(regs, ops[1])
             elif op == "prmt.b32":
                 r = prmt(val(regs, ops[1]), val(regs, ops[2]), val(regs, ops[3]))
@@ -142,7 +144,8 @@ def emulate_inline_asm(monkeypatch) -> None:
             return self.results[i]
 
     def load_pairs(asm, values, types):
-        """The fragment GEMV's 16-byte weight loads (``quant_gemv_mma._PAIR``/``_PAIR_IF``): two int64
+        """The fragment GEMV's 16-byte weight loads (``quant_gemv_mma._PAIR``/``_PAIR_IF``, read-only or
+        coherent): two int64
         at each lane's address, 0 where the predicate operand is 0; read from the interpreter's memory."""
         import ctypes
 
@@ -173,7 +176,7 @@ def emulate_inline_asm(monkeypatch) -> None:
 
     def create_inline_asm(self, asm, constraints, values, types, is_pure, pack):
         assert pack == 1, "only one element per asm instance is emulated"
-        if "ld.global.nc" in asm and "v2.u64" in asm:
+        if "ld.global" in asm and "v2.u64" in asm:
             return load_pairs(asm, values, types)
         if "ld.global.nc.u64" in asm:
             return load_words(asm, values, types)

@@ -15,9 +15,10 @@ its sign bit, summing to the signed code, so no bias at all).
 A warp owns a 16-row tile (or two, which share x and its pairing); warps of a program take
 interleaved blocks of the same rows (split K inside the program, summed at the end). int4 applies
 each block's scale and zero point in fp32 as the block ends; int8 carries its sums in the tensor
-cores' accumulators and applies the row scale once. Each warp keeps ``DEPTH`` blocks of words in
-flight while it works on one (the loop unrolled by the depth, so they rotate through registers
-without moves); where every warp has the same number of blocks, ``UNMASKED_EVEN`` drops the load masks.
+cores' accumulators and applies the row scale once. Each warp asks for ``DEPTH`` blocks of words ahead
+of the one it works on, but in registers ptxas decides where the loads go (``LOADS`` says what it does
+and the two ways around it); where every warp has the same number of blocks, ``UNMASKED_EVEN`` drops
+the load masks.
 ``WIDE_LOADS`` makes a row's 16 bytes a lane one read-only load. Measured slower on an H200 and removed
 (bench/RESULTS.md run 23): x requested a block ahead like the weights (-10%), and a block's dependent
 mmas in two chains an accumulator (-13%: more registers, fewer programs an SM).
@@ -55,6 +56,22 @@ INT8_ASM = tl.constexpr(int8_block_asm(1))
 INT8_ASM2 = tl.constexpr(int8_block_asm(2))
 FMT_INT4, FMT_INT8 = tl.constexpr(0), tl.constexpr(1)
 DEPTHS = (1, 2, 3)  # blocks of weights a warp has in flight while it works on one
+# How a warp's blocks of weights reach it, a plan's optional fourth element (bench letters in brackets):
+# - REGISTERS: loaded DEPTH blocks ahead in the source. But ptxas schedules the loads again, for its
+#   registers: in sm_90 SASS (bench/sass_schedule.py, triton 3.6's ptxas 12.8) the next block's loads sit
+#   30-50 instructions before their first use whatever the depth, an eighth to a third of a block ahead
+#   (int4 gate/up: 0.12 blocks), so each block waits for most of its own latency (the hardware profile
+#   of bench/RESULTS.md run 24: 5.9 of 13.1 cycles between a warp's instructions on global loads).
+# - STAGED ("s"), STAGED_WEIGHTS ("w"): the pipeliner copies the blocks (with x, or the weights only)
+#   into DEPTH + 1 shared-memory stages with cp.async, which holds no registers, so nothing is sunk.
+# - PINNED ("p"), PINNED_COHERENT ("c"): in registers, with a CTA-scope fence between the blocks ahead's
+#   loads and the block's work. x's loads and the scales' come after the fence and the work needs them,
+#   so the work cannot rise above it; the coherent loads cannot sink below it, the read-only ones (PINNED)
+#   may but in SASS still come before the work: int4 gate/up's loads a whole block ahead (1.00) at 90
+#   registers against 76, int8's at depth 2. What the fence costs (MEMBAR.ALL.CTA a block and warp, and
+#   whether it waits on the loads in flight) only a GPU can say.
+REGISTERS, STAGED, STAGED_WEIGHTS, PINNED, PINNED_COHERENT = 0, 1, 2, 3, 4
+LOADS = (REGISTERS, STAGED, STAGED_WEIGHTS, PINNED, PINNED_COHERENT)
 # Where every warp has the same number of blocks, load without masks (EVEN in the kernel): 9-18% fewer
 # instructions a block in sm_90 SASS, but not faster on an H200 (run 23, qwen3-8b decode: int4 +0.8%
 # alone, -2.9% with the gated GEMV and the wide loads; int8 -2.2%). Off.
@@ -73,19 +90,24 @@ WIDE_LOADS = True
 _PAIR = tl.constexpr("ld.global.nc.L1::no_allocate.v2.u64 {$0, $1}, [$2];")
 _PAIR_IF = tl.constexpr("{ .reg .pred p; setp.ne.b32 p, $3, 0; mov.b64 $0, 0; mov.b64 $1, 0; "
                         "@p ld.global.nc.L1::no_allocate.v2.u64 {$0, $1}, [$2]; }")
+# The same loads on the coherent path, which a fence keeps in place (``PIN``).
+_PAIR_C = tl.constexpr("ld.global.L1::no_allocate.v2.u64 {$0, $1}, [$2];")
+_PAIR_C_IF = tl.constexpr("{ .reg .pred p; setp.ne.b32 p, $3, 0; mov.b64 $0, 0; mov.b64 $1, 0; "
+                          "@p ld.global.L1::no_allocate.v2.u64 {$0, $1}, [$2]; }")
+_FENCE = tl.constexpr("fence.acq_rel.cta;\n\tmov.u32 $0, 0;")
 _X_IF = tl.constexpr("{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.b64 $0, 0; @p ld.global.nc.u64 $0, [$1]; }")
 
 
 @triton.jit
-def _pair(at, ok, WIDE: tl.constexpr, EVEN: tl.constexpr):
+def _pair(at, ok, WIDE: tl.constexpr, EVEN: tl.constexpr, PIN: tl.constexpr = 0):
     """Words ``at[0]`` and ``at[1]`` (int64; 16-byte aligned for WIDE), or where not ``ok`` any value
-    (0 when WIDE)."""
+    (0 when WIDE). PIN 2: on the coherent path (``PIN``)."""
     if WIDE:
         if EVEN:  # ok is constant true
-            a, b = tl.inline_asm_elementwise(_PAIR, "=l,=l,l", [at], dtype=(tl.int64, tl.int64), is_pure=False,
-                                             pack=1)
+            a, b = tl.inline_asm_elementwise(_PAIR_C if PIN == 2 else _PAIR, "=l,=l,l", [at],
+                                             dtype=(tl.int64, tl.int64), is_pure=False, pack=1)
         else:
-            a, b = tl.inline_asm_elementwise(_PAIR_IF, "=l,=l,l,r", [at, ok.to(tl.int32)],
+            a, b = tl.inline_asm_elementwise(_PAIR_C_IF if PIN == 2 else _PAIR_IF, "=l,=l,l,r", [at, ok.to(tl.int32)],
                                              dtype=(tl.int64, tl.int64), is_pure=False, pack=1)
     else:
         a = tl.load(at, mask=ok)
@@ -94,19 +116,28 @@ def _pair(at, ok, WIDE: tl.constexpr, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _words(at, ld_q, ok, r1, r2, TILES: tl.constexpr, WIDE: tl.constexpr, EVEN: tl.constexpr):
+def _words(at, ld_q, ok, r1, r2, TILES: tl.constexpr, WIDE: tl.constexpr, EVEN: tl.constexpr, PIN: tl.constexpr = 0):
     """The lane's 4 words of a block in rows g, g + r1 (and g + r2, g + r2 + r1 with two tiles; see
     ``_kernel`` for r1 and r2), as two int64 a row (weights: may be requested before the previous
     kernel has finished). Words of blocks past the row's end need no fill value: they are only ever
     multiplied by x and scales masked to 0, and every bit pattern decodes to a finite bf16."""
-    w0, w1 = _pair(at, ok, WIDE, EVEN)
-    w2, w3 = _pair(at + r1 * ld_q, ok, WIDE, EVEN)
+    w0, w1 = _pair(at, ok, WIDE, EVEN, PIN)
+    w2, w3 = _pair(at + r1 * ld_q, ok, WIDE, EVEN, PIN)
     if TILES == 2:
-        w4, w5 = _pair(at + r2 * ld_q, ok, WIDE, EVEN)
-        w6, w7 = _pair(at + (r2 + r1) * ld_q, ok, WIDE, EVEN)
+        w4, w5 = _pair(at + r2 * ld_q, ok, WIDE, EVEN, PIN)
+        w6, w7 = _pair(at + (r2 + r1) * ld_q, ok, WIDE, EVEN, PIN)
     else:  # not read
         w4, w5, w6, w7 = w0, w1, w2, w3
     return w0, w1, w2, w3, w4, w5, w6, w7
+
+
+@triton.jit
+def _pinned(xb, lane, PIN: tl.constexpr):
+    """``xb`` past a fence (PIN > 0), which keeps the loads issued before it ahead of the block's work: x's
+    loads, which the work needs, come after it."""
+    if PIN > 0:
+        xb += tl.inline_asm_elementwise(_FENCE, "=r,r", [lane], dtype=tl.int32, is_pure=False, pack=1)
+    return xb
 
 
 @triton.jit
@@ -214,36 +245,39 @@ def _block(w, x, s_at, z_at, n_blocks, ok, acc, r1, r2, FMT: tl.constexpr, HAS_Z
 @triton.jit
 def _rotating(at, xb, s_at, z_at, n_blocks, ld_q, warp, steps, r1, r2, acc, FMT: tl.constexpr, WARPS: tl.constexpr,
               TILES: tl.constexpr, DEPTH: tl.constexpr, HAS_ZEROS: tl.constexpr, EVEN: tl.constexpr,
-              USE_PDL: tl.constexpr, WIDE: tl.constexpr):
+              USE_PDL: tl.constexpr, WIDE: tl.constexpr, PIN: tl.constexpr):
     """A warp's blocks with DEPTH blocks of words in flight in registers."""
     X_STEP: tl.constexpr = 32 if FMT == FMT_INT4 else 16
     if EVEN:
         ok = tl.full([32 * WARPS], 1, tl.int1)
     else:
         ok = warp < n_blocks
-    words = _words(at, ld_q, ok, r1, r2, TILES, WIDE, EVEN)
+    words = _words(at, ld_q, ok, r1, r2, TILES, WIDE, EVEN, PIN)
     ok_1, words_1 = ok, words  # the next block (DEPTH >= 2)
     ok_2, words_2 = ok, words  # the one after (DEPTH 3)
     if DEPTH >= 2:
         if not EVEN:
             ok_1 = warp + WARPS < n_blocks
-        words_1 = _words(at + 8 * WARPS, ld_q, ok_1, r1, r2, TILES, WIDE, EVEN)
+        words_1 = _words(at + 8 * WARPS, ld_q, ok_1, r1, r2, TILES, WIDE, EVEN, PIN)
     if DEPTH == 3:
         if not EVEN:
             ok_2 = warp + 2 * WARPS < n_blocks
-        words_2 = _words(at + 16 * WARPS, ld_q, ok_2, r1, r2, TILES, WIDE, EVEN)
+        words_2 = _words(at + 16 * WARPS, ld_q, ok_2, r1, r2, TILES, WIDE, EVEN, PIN)
     wait_for_producer(USE_PDL)
     release_dependents(USE_PDL)
-    # Unrolled DEPTH times, the blocks in flight rotate through registers without moves.
-    for step in tl.range(1, steps, loop_unroll_factor=DEPTH):
+    # The blocks in flight rotate through DEPTH + 1 sets of registers: unrolled DEPTH + 1 times (pinned on
+    # the coherent path) no words move between them, which ptxas would otherwise place after the loads
+    # and so wait on them; the other modes keep the unrolling they were measured with (DEPTH).
+    for step in tl.range(1, steps, loop_unroll_factor=DEPTH + 1 if PIN == 2 else DEPTH):
         if EVEN:
             ahead_ok = ok
             ahead = _words(at + tl.where(step + DEPTH - 1 < steps, 8 * WARPS * DEPTH, 0), ld_q, ahead_ok, r1, r2,
-                           TILES, WIDE, EVEN)
+                           TILES, WIDE, EVEN, PIN)
         else:
             ahead_ok = warp + (step + DEPTH - 1) * WARPS < n_blocks
-            ahead = _words(at + 8 * WARPS * DEPTH, ld_q, ahead_ok, r1, r2, TILES, WIDE, EVEN)
-        acc = _block(words, _xs(xb, ok, FMT), s_at, z_at, n_blocks, ok, acc, r1, r2, FMT, HAS_ZEROS, TILES)
+            ahead = _words(at + 8 * WARPS * DEPTH, ld_q, ahead_ok, r1, r2, TILES, WIDE, EVEN, PIN)
+        acc = _block(words, _xs(_pinned(xb, warp, PIN), ok, FMT), s_at, z_at, n_blocks, ok, acc, r1, r2, FMT, HAS_ZEROS,
+                     TILES)
         if DEPTH == 3:
             words, ok, words_1, ok_1, words_2, ok_2 = words_1, ok_1, words_2, ok_2, ahead, ahead_ok
         elif DEPTH == 2:
@@ -262,10 +296,10 @@ def _rotating(at, xb, s_at, z_at, n_blocks, ld_q, warp, steps, r1, r2, acc, FMT:
 def _kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, n_blocks, ld_q, half, FMT: tl.constexpr, WARPS: tl.constexpr,
             TILES: tl.constexpr, DEPTH: tl.constexpr,
             HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr,
-            USE_PDL: tl.constexpr, WIDE: tl.constexpr, STAGED: tl.constexpr):
+            USE_PDL: tl.constexpr, WIDE: tl.constexpr, STAGED: tl.constexpr, PIN: tl.constexpr):
     # WIDE: each row's 16 bytes a lane as one load (``WIDE_LOADS``). STAGED: a block's weights (1: and its
     # x; 2: not x) reach it through DEPTH + 1 pipeliner stages in shared memory (``cp.async``) instead of
-    # registers.
+    # registers. PIN: a fence a block between the loads ahead and the work (1: read-only loads, 2: coherent).
     # GATED >= 0, an activation code: act(gate) * up of a packed gate/up (quant_gemv_epilogues.py).
     # One element per lane: [32 * WARPS] tensors are laid out one per thread, element e on thread e.
     e = tl.arange(0, 32 * WARPS)
@@ -315,7 +349,7 @@ def _kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, out_ptr, n_blocks, ld_q, half, FM
                          TILES)
     else:
         acc = _rotating(at, xb, s_at, z_at, n_blocks, ld_q, warp, steps, r1, r2, acc, FMT, WARPS, TILES, DEPTH,
-                        HAS_ZEROS, EVEN, USE_PDL, WIDE)
+                        HAS_ZEROS, EVEN, USE_PDL, WIDE, PIN)
     ROW_SCALE: tl.constexpr = FMT == FMT_INT8
     if GATED >= 0:
         if TILES == 1:
@@ -376,8 +410,8 @@ def _check(x: torch.Tensor, w: PackedWeight) -> None:
 def quant_gemv_mma(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None,
                    plan: tuple | None = None, act: str | None = None) -> torch.Tensor:
     """``x [1, K]`` bf16 -> ``[1, N]`` bf16, bias added; see ``supports``. ``plan`` (warps, tiles a warp,
-    blocks in flight: one of ``DEPTHS``[, staged: 1 the blocks through shared memory, 2 their weights only]) overrides
-    ``default_plan`` (benchmarks, tests).
+    blocks in flight: one of ``DEPTHS``[, how they load: one of ``LOADS``]) overrides ``default_plan``
+    (benchmarks, tests).
 
     With ``act`` (an ``activation.KERNEL_ACTIVATIONS`` name), ``w`` is a packed gate/up projection
     (gate rows, then as many up rows) and the result is ``act(gate) * up``, ``[1, N / 2]``: bit for bit
@@ -391,13 +425,14 @@ def _launch(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, plan: t
     """The launch behind ``quant_gemv_mma``, past its checks of the device (the tests run it on the CPU
     through the interpreter, with the PTX emulated)."""
     n = w.out_features
-    warps, per_warp, depth, *staged = plan  # staged: 1 (or True) or 2, STAGED in the kernel
+    warps, per_warp, depth, *mode = plan
+    loads = int(mode[0]) if mode else REGISTERS
     gated = -1 if act is None else _code(act)
     rows_out, rows_a_program = (n, 16 * per_warp) if act is None else (n // 2, 8 * per_warp)
-    if rows_out % rows_a_program or depth not in DEPTHS:
+    if rows_out % rows_a_program or depth not in DEPTHS or loads not in LOADS:
         what = "" if act is None else f" (gated: {per_warp} x 8 of the {n // 2} output rows a program)"
         raise ValueError(f"quant_gemv_mma: {per_warp} tiles of 16 rows a warp for {n} rows{what}, depth {depth} "
-                         f"(one of {DEPTHS})")
+                         f"(one of {DEPTHS}), loads {loads} (one of {LOADS})")
     words = w.qweight.view(torch.int64)
     out = torch.empty(1, rows_out, device=x.device, dtype=x.dtype)
     pdl = pdl_enabled(x.device)
@@ -407,5 +442,6 @@ def _launch(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, plan: t
         words.stride(0), n // 2, FMT=FMT_INT8 if w.fmt == "int8" else FMT_INT4, WARPS=warps, TILES=per_warp,
         DEPTH=depth, HAS_ZEROS=w.zeros is not None, HAS_BIAS=bias is not None,
         EVEN=UNMASKED_EVEN and w.n_blocks % warps == 0 and w.n_blocks >= depth * warps, GATED=gated, USE_PDL=pdl,
-        WIDE=WIDE_LOADS, STAGED=int(staged[0]) if staged else 0, num_warps=warps, launch_pdl=pdl)
+        WIDE=WIDE_LOADS, STAGED=loads if loads in (STAGED, STAGED_WEIGHTS) else 0,
+        PIN=loads - PINNED + 1 if loads in (PINNED, PINNED_COHERENT) else 0, num_warps=warps, launch_pdl=pdl)
     return out

@@ -203,8 +203,10 @@ def test_qlora_step_bf16():
 
 
 @pytest.mark.parametrize("plan", [(4, 1, 1), (8, 1, 1), (16, 1, 1), (8, 2, 1), (16, 2, 1), (8, 1, 2), (16, 2, 2),
-                                  (4, 2, 3), (16, 1, 3), None, (16, 1, 1, True), (8, 1, 2, True), (8, 2, 2, True),
-                                  (16, 1, 3, True)], ids=str)  # and staged through shared memory
+                                  (4, 2, 3), (16, 1, 3), None, (16, 1, 1, 1), (8, 1, 2, 1), (8, 2, 2, 1),
+                                  (16, 1, 3, 1), (16, 1, 2, 2), (8, 2, 2, 2),  # staged (with x, weights only)
+                                  (16, 1, 1, 3), (8, 2, 1, 3), (8, 1, 2, 3), (16, 1, 1, 4), (8, 2, 1, 4),
+                                  (8, 1, 2, 4), (16, 1, 3, 4), (8, 2, 2, 4)], ids=str)  # pinned (read-only, coherent)
 @pytest.mark.parametrize("fmt", ["int4_sym", "int4_asym", "int8"])
 @pytest.mark.parametrize("nk", [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (96, 256), (32, 128),
                                 (64, 4224), (32, 1152)], ids=str)  # and blocks not a multiple of the warps
@@ -267,7 +269,8 @@ def test_fragment_gemv_takes_int8_only_in_whole_blocks():
 
 
 @pytest.mark.parametrize("act,plan", [("silu", p) for p in (None, (8, 1, 1), (8, 2, 1), (16, 2, 2), (4, 1, 3),
-                                                             (8, 2, 2, True), (16, 1, 1, True))]
+                                                             (8, 2, 2, 1), (16, 1, 1, 1), (8, 2, 1, 3), (8, 2, 1, 4),
+                                                             (8, 1, 2, 4))]
                          + [("gelu_pytorch_tanh", None), ("gelu", None)], ids=str)
 @pytest.mark.parametrize("fmt", ["int4_sym", "int4_asym", "int8"])
 @pytest.mark.parametrize("nk", [(24576, 4096), (6144, 1024), (64, 256), (32, 1152)], ids=str)  # gate + up rows
