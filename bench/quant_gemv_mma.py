@@ -5,9 +5,10 @@ qwen3-8b's layers at batch 1 (q/k/v and gate/up packed), weights read from HBM (
         [--folds]
 
 us per call in a CUDA graph of 50 calls (PDL as in decode; best of five replays), and the packed bytes' rate;
-the bf16 GEMV of the same layer for scale. Fragment variants are (warps, tiles a warp, blocks in flight),
-and an "s" after them for blocks staged through shared memory (``cp.async``) instead of registers, "w"
-for their weights only.
+the bf16 GEMV of the same layer for scale; gate/up gated for the formats that run it so (``GATED``).
+Fragment variants are (warps, tiles a warp, blocks in flight) and a letter for how the blocks load
+(``quant_gemv_mma.LOADS``): none in registers, "s" staged through shared memory (``cp.async``), "w"
+their weights only, "p" in registers past a fence a block, "c" so on the coherent path.
 ``--folds`` instead times gate/up with the act-and-mul in its epilogue against gate/up then the
 act-and-mul kernel, at the default plans.
 """
@@ -63,7 +64,7 @@ def packed_copies(fmt: str, w32: torch.Tensor):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--formats", default="int4,int8")
-    ap.add_argument("--variants", default=VARIANTS, help="fragment plans: warps,tiles,depth[,s];...")
+    ap.add_argument("--variants", default=VARIANTS, help="fragment plans: warps,tiles,depth[,s|w|p|c];...")
     ap.add_argument("--unmasked", action="store_true", help="loads without masks where the blocks divide evenly")
     ap.add_argument("--nowide", action="store_true", help="the weights as 8-byte loads (WIDE_LOADS off)")
     ap.add_argument("--best", default=None, help="write the fastest variant per format and layer (JSON) here")
@@ -96,10 +97,12 @@ def main() -> None:
                 rows[f"{fmt} tl.dot kernel"] = (graph_us([lambda w=w: quant_mma.quant_mma(x, w) for w in ws]), nbytes)
             ref = qm.quant_matmul_reference(x.float(), ws[0])
             errors = []
+            # gate/up as the decode runs it: gated (the act-and-mul in the epilogue) where the format is
+            act = "silu" if name == "gate_up" and fmt in module.GATED else None
             for plan in parse_variants(args.variants):
                 staged = LOAD_NAMES.get(plan[3] if len(plan) > 3 else 0, "")
-                us = graph_us([lambda w=w, c=plan: quant_gemv_mma(x, w, plan=c) for w in ws])
-                rows[f"{fmt} fragment {plan[0]}w {plan[1]}t d{plan[2]}{staged}"] = (us, nbytes)
+                us = graph_us([lambda w=w, c=plan: quant_gemv_mma(x, w, plan=c, act=act) for w in ws])
+                rows[f"{fmt} fragment {plan[0]}w {plan[1]}t d{plan[2]}{staged}{' gated' if act else ''}"] = (us, nbytes)
                 if us < best.get((fmt, n, k), {}).get("us", float("inf")):
                     best[fmt, n, k] = dict(fmt=fmt, n=n, k=k, plan=list(plan), us=round(us, 2))
                 errors.append((quant_gemv_mma(x, ws[0], plan=plan).float() - ref).abs().max().item())

@@ -5,17 +5,18 @@
 A batch-1 GEMV streams its weights once, so it runs at HBM speed only if each warp has its next
 blocks' loads in flight while it works on the current one. The Triton source asks for that (the
 loads of the blocks ahead come first in the loop body, and the PTX keeps them there), but ptxas
-schedules again and may sink them towards the end of the body to reuse registers: the prefetch then
+schedules again and may sink them to just before their use to save registers: the prefetch then
 exists in the source only. This tool compiles the fragment GEMV (``kernels/quant_gemv_mma.py``) for
 sm_90 as a launch specialises it, disassembles the cubin with the ``cuobjdump`` that Triton ships,
-and for every global load in the main loop reports how many instructions of the warp's own stream
-lie between the load and the first instruction that reads what it loaded (following the loop back
-edge): the prefetch distance. A weight load whose value is read in the same iteration, or a few
-instructions into the next, is not a prefetch. Also the registers, the programs an SM holds, and so
-the weight bytes an SM can have in flight (the loads of all resident warps at their distance).
+and for every global load of the main loop reports its distance to the first instruction that reads
+what it loaded (following the loop's back edge): in instructions of the warp's own stream, and in
+blocks of work (the mmas in between over a block's mmas). A weight load a fraction of a block ahead
+is no prefetch. Also the registers a thread, the programs an SM holds at that count, and the shared
+memory a program.
 
 Run it under the GPU image's Triton to see what that machine will run (``PYTHONPATH`` at an unpacked
-triton 3.6 wheel): each Triton brings its own ptxas.
+triton 3.6 wheel): each Triton brings its own ptxas. No GPU is needed; what the loads cost in time
+only a GPU can say (``bench/quant_gemv_mma.py``).
 """
 
 from __future__ import annotations
@@ -238,11 +239,15 @@ def main() -> None:
             if args.json:
                 print(json.dumps(dict(r, fmt=fmt, plan=list(plan))))
             w = r["weights"]
-            ahead = (f"{min(b for _, b in w):.2f}/{sum(b for _, b in w) / len(w):.2f}, {min(d for d, _ in w)}"
-                     if w else "- (none in registers)")
+            if letter in ("s", "w"):  # the weights reach registers from shared memory, DEPTH + 1 stages
+                ahead = f"- (cp.async, {plan[2] + 1} stages)"
+            else:
+                ahead = (f"{min(b for _, b in w):.2f}/{sum(b for _, b in w) / len(w):.2f}, {min(d for d, _ in w)}"
+                         if w else "- (no weight loads found)")
             other = "; ".join(f"{k} {min((d for d in v if d is not None), default='-')}" for k, v in r["other"].items())
             where = "loop" if r["loop"] else "all"
-            print(f"{name:<24}{r['regs']:>5}{r['programs']:>6}{r['shared']:>7}{r['body']:>5}{where[0]}  {ahead:<34}| {other}")
+            print(f"{name:<24}{r['regs']:>5}{r['programs']:>6}{r['shared']:>7}{r['body']:>5}{where[0]}  "
+                  f"{ahead:<34}| {other}")
 
 
 if __name__ == "__main__":
