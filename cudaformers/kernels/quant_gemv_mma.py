@@ -162,14 +162,45 @@ def _staged_words(at, ld_q, ok, r1, r2, TILES: tl.constexpr):
 
 
 @triton.jit
-def _scaled(d, xs, s_at, z_at, ok, HAS_ZEROS: tl.constexpr):
+def _scale_zero(s_at, z_at, ok, HAS_ZEROS: tl.constexpr):
+    """A row's scale and zero point of one block as stored (0 where not ``ok``; without zero points the
+    scale twice, and ``_scaled`` takes 8)."""
+    scale = tl.load(s_at, mask=ok, other=0)
+    zero = tl.load(z_at, mask=ok, other=0) if HAS_ZEROS else scale
+    return scale, zero
+
+
+@triton.jit
+def _scales(s_at, z_at, n_blocks, ok, r1, r2, HAS_ZEROS: tl.constexpr, TILES: tl.constexpr):
+    """The lane's rows' scales and zero points of one block (rows as ``_words``), as 8 values."""
+    s0, z0 = _scale_zero(s_at, z_at, ok, HAS_ZEROS)
+    s1, z1 = _scale_zero(s_at + r1 * n_blocks, z_at + r1 * n_blocks, ok, HAS_ZEROS)
+    if TILES == 2:
+        s2, z2 = _scale_zero(s_at + r2 * n_blocks, z_at + r2 * n_blocks, ok, HAS_ZEROS)
+        s3, z3 = _scale_zero(s_at + (r2 + r1) * n_blocks, z_at + (r2 + r1) * n_blocks, ok, HAS_ZEROS)
+    else:  # not read
+        s2, z2, s3, z3 = s0, z0, s1, z1
+    return s0, z0, s1, z1, s2, z2, s3, z3
+
+
+@triton.jit
+def _scaled(d, xs, scale, zero, HAS_ZEROS: tl.constexpr):
     """``s * (d - (128 + z) * sum(x))``: a row's share of one block, its codes' bias and zero point off."""
-    scale = tl.load(s_at, mask=ok, other=0).to(tl.float32)
-    if HAS_ZEROS:
-        zero = tl.load(z_at, mask=ok, other=0).to(tl.float32)
-    else:
-        zero = 8.0
-    return scale * (d - (128.0 + zero) * xs)
+    z = zero.to(tl.float32) if HAS_ZEROS else 8.0
+    return scale.to(tl.float32) * (d - (128.0 + z) * xs)
+
+
+@triton.jit
+def _ahead(at, s_at, z_at, n_blocks, ld_q, ok, r1, r2, FMT: tl.constexpr, TILES: tl.constexpr, WIDE: tl.constexpr,
+           EVEN: tl.constexpr, PIN: tl.constexpr, HAS_ZEROS: tl.constexpr):
+    """A block's words (``_words``); pinned on the coherent path, int4's scales and zero points with them
+    (16 values), so the fence keeps their loads ahead too (sm_90 SASS, bench/sass_schedule.py: a block or
+    more ahead, against 20-40 instructions in place; with read-only loads (PIN 1) they cost the weights
+    their lead, int4 gate/up 1.00 -> 0.17 blocks, so there they load in place)."""
+    words = _words(at, ld_q, ok, r1, r2, TILES, WIDE, EVEN, PIN)
+    if PIN == 2 and FMT == FMT_INT4:
+        words = words + _scales(s_at, z_at, n_blocks, ok, r1, r2, HAS_ZEROS, TILES)
+    return words
 
 
 @triton.jit
@@ -195,24 +226,33 @@ def _xs(xb, ok, FMT: tl.constexpr, DIRECT: tl.constexpr = False):
 
 
 @triton.jit
-def _block4(w, x, s_at, z_at, n_blocks, ok, acc, r1, r2, HAS_ZEROS: tl.constexpr, TILES: tl.constexpr):
+def _block4(w, x, s_at, z_at, n_blocks, ok, acc, r1, r2, HAS_ZEROS: tl.constexpr, TILES: tl.constexpr,
+            PRELOADED: tl.constexpr):
     """``acc += s * (w - z) . x`` over one int4 block for the lane's rows (as ``_words``); ``x`` the
-    lane's pieces of x (``_xs``), ``s_at``/``z_at`` at row g's scale (zero point) of the block."""
+    lane's pieces of x (``_xs``), ``s_at``/``z_at`` at row g's scale (zero point) of the block, loaded
+    here unless ``w`` brings them (PRELOADED: ``_ahead`` pinned on the coherent path)."""
     if TILES == 2:
         d0, d1, d2, d3, xs = tl.inline_asm_elementwise(
             INT4_ASM2, "=f,=f,=f,=f,=f" + ",l" * 16,
             [w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7], x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7]],
             dtype=(tl.float32, tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
-        acc2 = acc[2] + _scaled(d2, xs, s_at + r2 * n_blocks, z_at + r2 * n_blocks, ok, HAS_ZEROS)
-        acc3 = acc[3] + _scaled(d3, xs, s_at + (r2 + r1) * n_blocks, z_at + (r2 + r1) * n_blocks, ok, HAS_ZEROS)
     else:
         d0, d1, xs = tl.inline_asm_elementwise(
             INT4_ASM, "=f,=f,=f" + ",l" * 12,
             [w[0], w[1], w[2], w[3], x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7]],
             dtype=(tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+        d2, d3 = d0, d1  # not used
+    if PRELOADED:
+        sz = (w[8], w[9], w[10], w[11], w[12], w[13], w[14], w[15])
+    else:
+        sz = _scales(s_at, z_at, n_blocks, ok, r1, r2, HAS_ZEROS, TILES)
+    acc0 = acc[0] + _scaled(d0, xs, sz[0], sz[1], HAS_ZEROS)
+    acc1 = acc[1] + _scaled(d1, xs, sz[2], sz[3], HAS_ZEROS)
+    if TILES == 2:
+        acc2 = acc[2] + _scaled(d2, xs, sz[4], sz[5], HAS_ZEROS)
+        acc3 = acc[3] + _scaled(d3, xs, sz[6], sz[7], HAS_ZEROS)
+    else:
         acc2, acc3 = acc[2], acc[3]
-    acc0 = acc[0] + _scaled(d0, xs, s_at, z_at, ok, HAS_ZEROS)
-    acc1 = acc[1] + _scaled(d1, xs, s_at + r1 * n_blocks, z_at + r1 * n_blocks, ok, HAS_ZEROS)
     return acc0, acc1, acc2, acc3
 
 
@@ -235,11 +275,11 @@ def _block8(w, x, acc, TILES: tl.constexpr):
 
 @triton.jit
 def _block(w, x, s_at, z_at, n_blocks, ok, acc, r1, r2, FMT: tl.constexpr, HAS_ZEROS: tl.constexpr,
-           TILES: tl.constexpr):
+           TILES: tl.constexpr, PRELOADED: tl.constexpr = False):
     if FMT == FMT_INT8:
         return _block8(w, x, acc, TILES)
     else:
-        return _block4(w, x, s_at, z_at, n_blocks, ok, acc, r1, r2, HAS_ZEROS, TILES)
+        return _block4(w, x, s_at, z_at, n_blocks, ok, acc, r1, r2, HAS_ZEROS, TILES, PRELOADED)
 
 
 @triton.jit
@@ -252,17 +292,19 @@ def _rotating(at, xb, s_at, z_at, n_blocks, ld_q, warp, steps, r1, r2, acc, FMT:
         ok = tl.full([32 * WARPS], 1, tl.int1)
     else:
         ok = warp < n_blocks
-    words = _words(at, ld_q, ok, r1, r2, TILES, WIDE, EVEN, PIN)
+    words = _ahead(at, s_at, z_at, n_blocks, ld_q, ok, r1, r2, FMT, TILES, WIDE, EVEN, PIN, HAS_ZEROS)
     ok_1, words_1 = ok, words  # the next block (DEPTH >= 2)
     ok_2, words_2 = ok, words  # the one after (DEPTH 3)
     if DEPTH >= 2:
         if not EVEN:
             ok_1 = warp + WARPS < n_blocks
-        words_1 = _words(at + 8 * WARPS, ld_q, ok_1, r1, r2, TILES, WIDE, EVEN, PIN)
+        words_1 = _ahead(at + 8 * WARPS, s_at + WARPS, z_at + WARPS, n_blocks, ld_q, ok_1, r1, r2, FMT, TILES, WIDE,
+                         EVEN, PIN, HAS_ZEROS)
     if DEPTH == 3:
         if not EVEN:
             ok_2 = warp + 2 * WARPS < n_blocks
-        words_2 = _words(at + 16 * WARPS, ld_q, ok_2, r1, r2, TILES, WIDE, EVEN, PIN)
+        words_2 = _ahead(at + 16 * WARPS, s_at + 2 * WARPS, z_at + 2 * WARPS, n_blocks, ld_q, ok_2, r1, r2, FMT,
+                         TILES, WIDE, EVEN, PIN, HAS_ZEROS)
     wait_for_producer(USE_PDL)
     release_dependents(USE_PDL)
     # The blocks in flight rotate through DEPTH + 1 sets of registers: unrolled DEPTH + 1 times (pinned on
@@ -271,13 +313,15 @@ def _rotating(at, xb, s_at, z_at, n_blocks, ld_q, warp, steps, r1, r2, acc, FMT:
     for step in tl.range(1, steps, loop_unroll_factor=DEPTH + 1 if PIN == 2 else DEPTH):
         if EVEN:
             ahead_ok = ok
-            ahead = _words(at + tl.where(step + DEPTH - 1 < steps, 8 * WARPS * DEPTH, 0), ld_q, ahead_ok, r1, r2,
-                           TILES, WIDE, EVEN, PIN)
+            blocks_on = tl.where(step + DEPTH - 1 < steps, WARPS * DEPTH, 0)
+            ahead = _ahead(at + 8 * blocks_on, s_at + blocks_on, z_at + blocks_on, n_blocks, ld_q, ahead_ok, r1, r2,
+                           FMT, TILES, WIDE, EVEN, PIN, HAS_ZEROS)
         else:
             ahead_ok = warp + (step + DEPTH - 1) * WARPS < n_blocks
-            ahead = _words(at + 8 * WARPS * DEPTH, ld_q, ahead_ok, r1, r2, TILES, WIDE, EVEN, PIN)
+            ahead = _ahead(at + 8 * WARPS * DEPTH, s_at + WARPS * DEPTH, z_at + WARPS * DEPTH, n_blocks, ld_q,
+                           ahead_ok, r1, r2, FMT, TILES, WIDE, EVEN, PIN, HAS_ZEROS)
         acc = _block(words, _xs(_pinned(xb, warp, PIN), ok, FMT), s_at, z_at, n_blocks, ok, acc, r1, r2, FMT, HAS_ZEROS,
-                     TILES)
+                     TILES, PIN == 2)
         if DEPTH == 3:
             words, ok, words_1, ok_1, words_2, ok_2 = words_1, ok_1, words_2, ok_2, ahead, ahead_ok
         elif DEPTH == 2:
@@ -288,7 +332,7 @@ def _rotating(at, xb, s_at, z_at, n_blocks, ld_q, warp, steps, r1, r2, acc, FMT:
         xb += X_STEP * WARPS
         s_at += WARPS
         z_at += WARPS
-    acc = _block(words, _xs(xb, ok, FMT), s_at, z_at, n_blocks, ok, acc, r1, r2, FMT, HAS_ZEROS, TILES)
+    acc = _block(words, _xs(xb, ok, FMT), s_at, z_at, n_blocks, ok, acc, r1, r2, FMT, HAS_ZEROS, TILES, PIN == 2)
     return acc
 
 
