@@ -148,9 +148,7 @@ def fragment_cubin(fmt: str, plan: tuple, gated: int, zeros: bool, wide: bool, e
     sig = dict(x_ptr="*i64", q_ptr="*i64", s_ptr="*fp32" if fmt == "int8" else "*bf16", z_ptr="*bf16",
                b_ptr="*bf16", out_ptr="*bf16", n_blocks="i32", ld_q="i32", half="i32")
     consts = dict(FMT=int(fmt == "int8"), WARPS=warps, TILES=tiles, DEPTH=depth, HAS_ZEROS=zeros, HAS_BIAS=False,
-                  EVEN=even, GATED=gated, USE_PDL=True, WIDE=wide,
-                  STAGED=loads if loads in (m.STAGED, m.STAGED_WEIGHTS) else 0,
-                  PIN=loads - m.PINNED + 1 if loads in (m.PINNED, m.PINNED_COHERENT) else 0)
+                  EVEN=even, GATED=gated, USE_PDL=True, WIDE=wide, **m.load_constexprs(loads))
     sig.update({k: "constexpr" for k in consts})
     src = ASTSource(m._kernel, sig, consts, {(i,): [["tt.divisibility", 16]] for i in range(9)})
     c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))

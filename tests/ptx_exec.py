@@ -144,9 +144,9 @@ def emulate_inline_asm(monkeypatch) -> None:
             return self.results[i]
 
     def load_pairs(asm, values, types):
-        """The fragment GEMV's 16-byte weight loads (``quant_gemv_mma._PAIR``/``_PAIR_IF``, read-only or
-        coherent): two int64
-        at each lane's address, 0 where the predicate operand is 0; read from the interpreter's memory."""
+        """The fragment GEMV's 16-byte weight loads (``quant_gemv_mma._PAIR``/``_PAIR_IF`` and their coherent
+        forms): two int64 at each lane's address, 0 where the predicate operand is 0; read from the
+        interpreter's memory."""
         import ctypes
 
         addresses = values[0].data.reshape(-1)

@@ -65,13 +65,18 @@ DEPTHS = (1, 2, 3)  # blocks of weights a warp has in flight while it works on o
 # - STAGED ("s"), STAGED_WEIGHTS ("w"): the pipeliner copies the blocks (with x, or the weights only)
 #   into DEPTH + 1 shared-memory stages with cp.async, which holds no registers, so nothing is sunk.
 # - PINNED ("p"), PINNED_COHERENT ("c"): in registers, with a CTA-scope fence between the blocks ahead's
-#   loads and the block's work. x's loads and the scales' come after the fence and the work needs them,
-#   so the work cannot rise above it; the coherent loads cannot sink below it, the read-only ones (PINNED)
-#   may but in SASS still come before the work: int4 gate/up's loads a whole block ahead (1.00) at 90
-#   registers against 76, int8's at depth 2. What the fence costs (MEMBAR.ALL.CTA a block and warp, and
-#   whether it waits on the loads in flight) only a GPU can say.
+#   loads and the block's work. x's loads come after the fence and the work needs them, so the work cannot
+#   rise above it. The coherent loads (with int4's scales, ``_ahead``) cannot sink below it: exactly DEPTH
+#   blocks ahead in SASS. The read-only ones (PINNED) may, and do on some plans: int4 gate/up 1.00 blocks
+#   ahead at 90 registers against 76, int8 8,2,1 0.06. What the fence costs (MEMBAR.ALL.CTA a block and
+#   warp, and whether it waits on the loads in flight) only a GPU can say.
 REGISTERS, STAGED, STAGED_WEIGHTS, PINNED, PINNED_COHERENT = 0, 1, 2, 3, 4
 LOADS = (REGISTERS, STAGED, STAGED_WEIGHTS, PINNED, PINNED_COHERENT)
+
+
+def load_constexprs(loads: int) -> dict:
+    """A load mode as the kernel's STAGED and PIN."""
+    return dict(STAGED={STAGED: 1, STAGED_WEIGHTS: 2}.get(loads, 0), PIN={PINNED: 1, PINNED_COHERENT: 2}.get(loads, 0))
 # Where every warp has the same number of blocks, load without masks (EVEN in the kernel): 9-18% fewer
 # instructions a block in sm_90 SASS, but not faster on an H200 (run 23, qwen3-8b decode: int4 +0.8%
 # alone, -2.9% with the gated GEMV and the wide loads; int8 -2.2%). Off.
@@ -87,13 +92,11 @@ GATED = ("int4",)
 # LDG.E.NA.128.CONSTANT for LDG.E.64 pairs). qwen3-8b decode on an H200 (run 23): int4 with the gated
 # GEMV 425 -> 431 tok/s, int8 308 -> 309.
 WIDE_LOADS = True
-_PAIR = tl.constexpr("ld.global.nc.L1::no_allocate.v2.u64 {$0, $1}, [$2];")
-_PAIR_IF = tl.constexpr("{ .reg .pred p; setp.ne.b32 p, $3, 0; mov.b64 $0, 0; mov.b64 $1, 0; "
-                        "@p ld.global.nc.L1::no_allocate.v2.u64 {$0, $1}, [$2]; }")
+_LOAD = "ld.global.nc.L1::no_allocate.v2.u64 {$0, $1}, [$2];"
+_LOAD_IF = "{ .reg .pred p; setp.ne.b32 p, $3, 0; mov.b64 $0, 0; mov.b64 $1, 0; @p " + _LOAD + " }"
+_PAIR, _PAIR_IF = tl.constexpr(_LOAD), tl.constexpr(_LOAD_IF)
 # The same loads on the coherent path, which a fence keeps in place (``PIN``).
-_PAIR_C = tl.constexpr("ld.global.L1::no_allocate.v2.u64 {$0, $1}, [$2];")
-_PAIR_C_IF = tl.constexpr("{ .reg .pred p; setp.ne.b32 p, $3, 0; mov.b64 $0, 0; mov.b64 $1, 0; "
-                          "@p ld.global.L1::no_allocate.v2.u64 {$0, $1}, [$2]; }")
+_PAIR_C, _PAIR_C_IF = tl.constexpr(_LOAD.replace(".nc", "")), tl.constexpr(_LOAD_IF.replace(".nc", ""))
 _FENCE = tl.constexpr("fence.acq_rel.cta;\n\tmov.u32 $0, 0;")
 _X_IF = tl.constexpr("{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.b64 $0, 0; @p ld.global.nc.u64 $0, [$1]; }")
 
@@ -132,11 +135,11 @@ def _words(at, ld_q, ok, r1, r2, TILES: tl.constexpr, WIDE: tl.constexpr, EVEN: 
 
 
 @triton.jit
-def _pinned(xb, lane, PIN: tl.constexpr):
+def _pinned(xb, like, PIN: tl.constexpr):
     """``xb`` past a fence (PIN > 0), which keeps the loads issued before it ahead of the block's work: x's
-    loads, which the work needs, come after it."""
+    loads, which the work needs, come after it. ``like``: any int32 of the lanes' shape (the asm's operand)."""
     if PIN > 0:
-        xb += tl.inline_asm_elementwise(_FENCE, "=r,r", [lane], dtype=tl.int32, is_pure=False, pack=1)
+        xb += tl.inline_asm_elementwise(_FENCE, "=r,r", [like], dtype=tl.int32, is_pure=False, pack=1)
     return xb
 
 
@@ -226,6 +229,15 @@ def _xs(xb, ok, FMT: tl.constexpr, DIRECT: tl.constexpr = False):
 
 
 @triton.jit
+def _scaled_at(d, xs, s_at, z_at, ok, HAS_ZEROS: tl.constexpr):
+    """``_scaled`` with the row's scale and zero point loaded here (each converted as it loads: the order
+    the measured plans compiled with)."""
+    scale = tl.load(s_at, mask=ok, other=0).to(tl.float32)
+    zero = tl.load(z_at, mask=ok, other=0).to(tl.float32) if HAS_ZEROS else 8.0
+    return scale * (d - (128.0 + zero) * xs)
+
+
+@triton.jit
 def _block4(w, x, s_at, z_at, n_blocks, ok, acc, r1, r2, HAS_ZEROS: tl.constexpr, TILES: tl.constexpr,
             PRELOADED: tl.constexpr):
     """``acc += s * (w - z) . x`` over one int4 block for the lane's rows (as ``_words``); ``x`` the
@@ -236,23 +248,25 @@ def _block4(w, x, s_at, z_at, n_blocks, ok, acc, r1, r2, HAS_ZEROS: tl.constexpr
             INT4_ASM2, "=f,=f,=f,=f,=f" + ",l" * 16,
             [w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7], x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7]],
             dtype=(tl.float32, tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+        if PRELOADED:
+            acc2 = acc[2] + _scaled(d2, xs, w[12], w[13], HAS_ZEROS)
+            acc3 = acc[3] + _scaled(d3, xs, w[14], w[15], HAS_ZEROS)
+        else:
+            acc2 = acc[2] + _scaled_at(d2, xs, s_at + r2 * n_blocks, z_at + r2 * n_blocks, ok, HAS_ZEROS)
+            acc3 = acc[3] + _scaled_at(d3, xs, s_at + (r2 + r1) * n_blocks, z_at + (r2 + r1) * n_blocks, ok,
+                                       HAS_ZEROS)
     else:
         d0, d1, xs = tl.inline_asm_elementwise(
             INT4_ASM, "=f,=f,=f" + ",l" * 12,
             [w[0], w[1], w[2], w[3], x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7]],
             dtype=(tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
-        d2, d3 = d0, d1  # not used
-    if PRELOADED:
-        sz = (w[8], w[9], w[10], w[11], w[12], w[13], w[14], w[15])
-    else:
-        sz = _scales(s_at, z_at, n_blocks, ok, r1, r2, HAS_ZEROS, TILES)
-    acc0 = acc[0] + _scaled(d0, xs, sz[0], sz[1], HAS_ZEROS)
-    acc1 = acc[1] + _scaled(d1, xs, sz[2], sz[3], HAS_ZEROS)
-    if TILES == 2:
-        acc2 = acc[2] + _scaled(d2, xs, sz[4], sz[5], HAS_ZEROS)
-        acc3 = acc[3] + _scaled(d3, xs, sz[6], sz[7], HAS_ZEROS)
-    else:
         acc2, acc3 = acc[2], acc[3]
+    if PRELOADED:
+        acc0 = acc[0] + _scaled(d0, xs, w[8], w[9], HAS_ZEROS)
+        acc1 = acc[1] + _scaled(d1, xs, w[10], w[11], HAS_ZEROS)
+    else:
+        acc0 = acc[0] + _scaled_at(d0, xs, s_at, z_at, ok, HAS_ZEROS)
+        acc1 = acc[1] + _scaled_at(d1, xs, s_at + r1 * n_blocks, z_at + r1 * n_blocks, ok, HAS_ZEROS)
     return acc0, acc1, acc2, acc3
 
 
@@ -486,6 +500,5 @@ def _launch(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, plan: t
         words.stride(0), n // 2, FMT=FMT_INT8 if w.fmt == "int8" else FMT_INT4, WARPS=warps, TILES=per_warp,
         DEPTH=depth, HAS_ZEROS=w.zeros is not None, HAS_BIAS=bias is not None,
         EVEN=UNMASKED_EVEN and w.n_blocks % warps == 0 and w.n_blocks >= depth * warps, GATED=gated, USE_PDL=pdl,
-        WIDE=WIDE_LOADS, STAGED=loads if loads in (STAGED, STAGED_WEIGHTS) else 0,
-        PIN=loads - PINNED + 1 if loads in (PINNED, PINNED_COHERENT) else 0, num_warps=warps, launch_pdl=pdl)
+        WIDE=WIDE_LOADS, **load_constexprs(loads), num_warps=warps, launch_pdl=pdl)
     return out
