@@ -42,7 +42,7 @@ LOAD_LETTERS = {"s": (1,), "w": (2,), "p": (3,), "c": (4,)}
 LOAD_NAMES = {1: " staged", 2: " staged weights", 3: " pinned", 4: " pinned coherent"}
 
 
-def packed_copies(fmt: str, w32: torch.Tensor):
+def packed_copies(fmt: str, w32: torch.Tensor, copies: int | None = None):
     """(the packed weight and copies of it that together overflow L2, its bytes)."""
     from cudaformers.kernels import quant_matmul as qm
     from cudaformers.quant.int4 import quantize_int4
@@ -57,7 +57,7 @@ def packed_copies(fmt: str, w32: torch.Tensor):
         q, s, _ = quantize_int4(w32, 128)
         make = lambda: qm.PackedWeight("int4", q.clone(), s.clone(), k, 128)  # noqa: E731
         nbytes = q.numel() + s.numel() * 2
-    copies = max(1, -(-256 * 2 ** 20 // nbytes))
+    copies = copies or max(1, -(-256 * 2 ** 20 // nbytes))
     return [make() for _ in range(copies)], nbytes
 
 
@@ -69,9 +69,16 @@ def main() -> None:
     ap.add_argument("--nowide", action="store_true", help="the weights as 8-byte loads (WIDE_LOADS off)")
     ap.add_argument("--best", default=None, help="write the fastest variant per format and layer (JSON) here")
     ap.add_argument("--folds", action="store_true", help="the gated GEMV against its two launches")
+    ap.add_argument("--compile-jobs", type=int, default=8,
+                    help="processes that compile the variants into the shared Triton cache before the timing")
+    ap.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.folds:
         return folds(args.formats.split(","))
+    if args.compile_only:
+        return compile_variants(args)
+    if args.compile_jobs > 1:
+        compile_in_parallel(args)
     from cudaformers.kernels import quant_matmul as qm
     from cudaformers.kernels import quant_mma
     from cudaformers.kernels.gemv import gemv
@@ -113,10 +120,50 @@ def main() -> None:
         for label, (us, nbytes) in rows.items():
             print(f"  {label:30s} {us:7.2f} us  {nbytes / 1e6 / us:5.2f} TB/s")
             total[label] = total.get(label, 0.0) + us
+        if args.best:  # after every layer, so that a run cut short still leaves the layers it timed
+            Path(args.best).write_text(json.dumps(list(best.values()), indent=1))
     print("a layer (four calls):", {k: round(v, 2) for k, v in total.items()})
     if args.best:
-        Path(args.best).write_text(json.dumps(list(best.values()), indent=1))
         print("fastest:", list(best.values()))
+
+
+def _switches(args) -> list[str]:
+    return ["--formats", args.formats] + ["--unmasked"] * args.unmasked + ["--nowide"] * args.nowide
+
+
+def compile_in_parallel(args) -> None:
+    """Each variant is its own compile (a minute or more for all of them in one process, mostly ptxas):
+    split over processes that fill the Triton cache the timing process then reads."""
+    import subprocess
+    import time
+
+    variants = [v for v in args.variants.split(";") if v]
+    groups = [";".join(variants[i::args.compile_jobs]) for i in range(min(args.compile_jobs, len(variants)))]
+    start = time.perf_counter()
+    procs = [subprocess.Popen([sys.executable, __file__, "--compile-only", "--variants", g, *_switches(args)])
+             for g in groups]
+    failed = [p.args for p in procs if p.wait() != 0]
+    print(f"compiled {len(variants)} variants in {len(groups)} processes: {time.perf_counter() - start:.1f} s"
+          + (f"; failed: {failed}" if failed else ""))
+
+
+def compile_variants(args) -> None:
+    """One call of each variant (and of it ungated, as the error check runs it) on each layer's shape."""
+    from cudaformers.kernels import quant_gemv_mma as module
+    from cudaformers.kernels.quant_gemv_mma import quant_gemv_mma
+
+    module.UNMASKED_EVEN = args.unmasked
+    module.WIDE_LOADS = not args.nowide
+    for name, (n, k) in SHAPES.items():
+        x = torch.randn(1, k, device="cuda").bfloat16()
+        for fmt in args.formats.split(","):
+            w = packed_copies(fmt, torch.randn(n, k, device="cuda") * 0.02, copies=1)[0][0]
+            act = "silu" if name == "gate_up" and fmt in module.GATED else None
+            for plan in parse_variants(args.variants):
+                quant_gemv_mma(x, w, plan=plan, act=act)
+                if act:
+                    quant_gemv_mma(x, w, plan=plan)
+    torch.cuda.synchronize()
 
 
 def folds(formats: list[str]) -> None:
