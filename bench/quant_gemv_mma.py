@@ -2,7 +2,7 @@
 qwen3-8b's layers at batch 1 (q/k/v and gate/up packed), weights read from HBM (copies cycled past L2).
 
     python bench/quant_gemv_mma.py [--formats int4,int8] [--variants 8,2,1;8,2,2,s] [--unmasked] [--nowide]
-        [--folds]
+        [--folds] [--compile-jobs 8]
 
 us per call in a CUDA graph of 50 calls (PDL as in decode; best of five replays), and the packed bytes' rate;
 the bf16 GEMV of the same layer for scale; gate/up gated for the formats that run it so (``GATED``).
@@ -86,8 +86,7 @@ def main() -> None:
     from cudaformers.kernels import quant_gemv_mma as module
     from cudaformers.kernels.quant_gemv_mma import default_plan, quant_gemv_mma
 
-    module.UNMASKED_EVEN = args.unmasked
-    module.WIDE_LOADS = not args.nowide
+    _set_switches(module, args)
 
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     total: dict[str, float] = {}
@@ -127,12 +126,17 @@ def main() -> None:
         print("fastest:", list(best.values()))
 
 
+def _set_switches(module, args) -> None:
+    module.UNMASKED_EVEN = args.unmasked
+    module.WIDE_LOADS = not args.nowide
+
+
 def _switches(args) -> list[str]:
     return ["--formats", args.formats] + ["--unmasked"] * args.unmasked + ["--nowide"] * args.nowide
 
 
 def compile_in_parallel(args) -> None:
-    """Each variant is its own compile (a minute or more for all of them in one process, mostly ptxas):
+    """Each variant is its own compile (mostly ptxas, one after another in one process):
     split over processes that fill the Triton cache the timing process then reads."""
     import subprocess
     import time
@@ -152,8 +156,7 @@ def compile_variants(args) -> None:
     from cudaformers.kernels import quant_gemv_mma as module
     from cudaformers.kernels.quant_gemv_mma import quant_gemv_mma
 
-    module.UNMASKED_EVEN = args.unmasked
-    module.WIDE_LOADS = not args.nowide
+    _set_switches(module, args)
     for name, (n, k) in SHAPES.items():
         x = torch.randn(1, k, device="cuda").bfloat16()
         for fmt in args.formats.split(","):
