@@ -152,6 +152,11 @@ for part in "${parts[@]}"; do
                   --variants "16,1,1;8,1,2;8,2,1;16,1,2;8,1,3;16,1,1,p;8,1,2,p;8,2,1,p;16,1,2,p;16,1,1,c;8,1,2,c;8,2,1,c;16,1,2,c;8,1,3,c;16,1,3,c;8,2,2,c;8,2,2,s;16,1,2,w;8,2,2,w;8,1,3,w" ;;
     frag-decode) run frag-decode 400 python3 bench/quant.py --parts decode --shapes qwen3-8b --plans "${PLANS:-$OUT/plans.json}" \
                    --methods bf16,int4,int4_plans,int8,int8_plans,int4_head_plans --json "$OUT/results.jsonl" ;;
+    # The W2 decode at the defaults, with the lm_head quantized too (METHODS overrides the list).
+    quant-decode) run quant-decode 300 python3 bench/quant.py --parts decode --shapes qwen3-8b \
+                    --methods "${METHODS:-bf16,int4,int8,int4_head,int8_head}" --json "$OUT/results.jsonl" ;;
+    quant-model-tests) run quant-model-tests 240 python3 -m pytest -q -rfE --tb=line -m gpu -p no:cacheprovider -n 8 \
+                         tests/gpu/test_quant_gpu.py -k "model or gated_fragment_gemv or fragment_gemv_matches_reference" ;;
     quant-gated-tests) run quant-gated-tests 240 python3 -m pytest -q -rfE --tb=line -m gpu -p no:cacheprovider -n 8 \
                          tests/gpu/test_quant_gpu.py -k "gated or load_switches" ;;
     quant-gated-ab) run quant-folds 60 python3 bench/quant_gemv_mma.py --folds

@@ -249,7 +249,7 @@ def test_the_kernel_matches_the_reference_on_the_cpu(monkeypatch, fmt, n, k, pla
 
 @pytest.mark.parametrize("fmt,n,k,plan,even,act", [c + ("silu",) for c in KERNEL_CASES] + [
     KERNEL_CASES[1] + ("gelu_pytorch_tanh",), KERNEL_CASES[5] + ("gelu",)], ids=str)
-@pytest.mark.parametrize("loads", ["", "staged", "staged_weights", "pinned"])
+@pytest.mark.parametrize("loads", ["", "staged", "staged_weights", "pinned", "pinned_coherent"])
 def test_gated_kernel_is_the_act_and_mul_of_the_plain_one(monkeypatch, fmt, n, k, plan, even, act, loads):
     from cudaformers.kernels.activation import act_and_mul_forward
 
@@ -260,3 +260,48 @@ def test_gated_kernel_is_the_act_and_mul_of_the_plain_one(monkeypatch, fmt, n, k
     assert gated.shape == (1, half)
     assert torch.equal(gated, act_and_mul_forward(gate_up[:, :half], gate_up[:, half:], act))
     assert not torch.equal(gated, act_and_mul_forward(gate_up[:, half:], gate_up[:, :half], act))  # it can tell
+
+
+# Each GPU's rules on one SM, so that small layers take every branch: n = 32 few programs, 80 not whole
+# pairs of tiles, 96 pairs but under four programs an SM, 128 four or more.
+@pytest.mark.parametrize("gpu", ["NVIDIA H100 80GB HBM3", "NVIDIA H200"])
+@pytest.mark.parametrize("fmt", ["int4_sym", "int8"])
+@pytest.mark.parametrize("n", [32, 80, 96, 128])
+def test_each_gpus_default_plan_runs_and_matches_the_reference(monkeypatch, gpu, fmt, n):
+    from cudaformers.kernels import quant_gemv_mma as m
+    from cudaformers.kernels.activation import act_and_mul_forward
+    from cudaformers.kernels.quant_matmul import quant_matmul_reference
+
+    monkeypatch.setattr(m, "_device_name", lambda device: gpu)
+    monkeypatch.setattr(m, "sm_count", lambda device, off_gpu: 1)
+    plan = m.default_plan(n, fmt[:4], torch.device("cuda"))
+    emulate_inline_asm(monkeypatch)
+    monkeypatch.setattr(m, "WIDE_LOADS", True)
+    w, x, bias = _weights(fmt, n, 256, seed=n)
+    out = m._launch(x, w, bias, plan)
+    ref32 = quant_matmul_reference(x.float(), w, bias.float())
+    ref = quant_matmul_reference(x, w, bias).float()
+    bound = 2 * (ref - ref32).abs().max() + torch.finfo(torch.bfloat16).eps * ref32.abs().max() + 1e-3
+    assert (out.float() - ref32).abs().max() <= bound
+    if fmt != "int8":  # int4's gate/up runs gated at the same plan
+        gated = m._launch(x, w, bias, plan, act="silu")
+        assert torch.equal(gated, act_and_mul_forward(out[:, : n // 2], out[:, n // 2:], "silu"))
+
+
+# What each GPU's measured rules pick on qwen3-8b's layers (132 SMs): (fmt, N) -> plan; int4 gate/up gated.
+QWEN3_8B_PLANS = {
+    "NVIDIA H100 80GB HBM3": {("int4", 6144): (8, 2, 1, 4), ("int4", 4096): (8, 1, 2, 4), ("int4", 24576): (8, 2, 1, 4),
+                              ("int8", 6144): (8, 1, 3, 4), ("int8", 4096): (16, 1, 1, 4),
+                              ("int8", 24576): (8, 2, 1, 4)},
+    "NVIDIA H200": {("int4", 6144): (8, 1, 2), ("int4", 4096): (16, 1, 1), ("int4", 24576): (8, 2, 1),
+                    ("int8", 6144): (8, 1, 3), ("int8", 4096): (16, 1, 2), ("int8", 24576): (8, 1, 3)}}
+
+
+@pytest.mark.parametrize("gpu", sorted(QWEN3_8B_PLANS))
+def test_default_plans_on_qwen3_8b_are_the_measured_fastest(monkeypatch, gpu):
+    from cudaformers.kernels import quant_gemv_mma as m
+
+    monkeypatch.setattr(m, "_device_name", lambda device: gpu)
+    monkeypatch.setattr(m, "sm_count", lambda device, off_gpu: 132)
+    picked = {(fmt, n): m.default_plan(n, fmt, torch.device("cuda")) for fmt, n in QWEN3_8B_PLANS[gpu]}
+    assert picked == QWEN3_8B_PLANS[gpu]

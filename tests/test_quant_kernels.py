@@ -151,7 +151,30 @@ def test_int4_error_is_half_a_step(sym):
     assert (deq - w).abs().le(step / 2 + 15 * 2 ** -11 * step).all()
 
 
-@pytest.mark.parametrize("code", [NF4_CODE, FP4_CODE], ids=["nf4", "fp4"])
+@pytest.mark.parametrize("method", ["int8", "int4_sym", "int4_asym", "nf4", "fp4_dq", "fp8"])
+def test_quantizing_in_pieces_of_rows_gives_the_same_parameters(monkeypatch, method):
+    from cudaformers.quant import fp8, int4, int8, linear, nf4
+
+    args = (200, 77, False, torch.bfloat16)  # 77 rows: pieces of 10 leave a remainder
+    module, quantizer, make = {
+        "int8": (int8, "quantize_int8", lambda: int8.Int8Linear(*args)),
+        "int4_sym": (int4, "quantize_int4", lambda: int4.Int4Linear(*args, 128, True)),
+        "int4_asym": (int4, "quantize_int4", lambda: int4.Int4Linear(*args, 128, False)),
+        "nf4": (nf4, "quantize_4bit", lambda: nf4.NF4Linear(*args, "nf4", False)),
+        "fp4_dq": (nf4, "quantize_4bit", lambda: nf4.NF4Linear(*args, "fp4", True)),
+        "fp8": (fp8, "quantize_fp8_rows", lambda: fp8.FP8Linear(*args))}[method]
+    w = torch.randn(77, 200, generator=torch.Generator().manual_seed(3)).bfloat16()
+    whole, pieces = make(), make()
+    whole.quantize_(w)
+    rows, real = [], getattr(module, quantizer)
+    monkeypatch.setattr(module, quantizer, lambda t, *a: rows.append(t.shape[0]) or real(t, *a))
+    monkeypatch.setattr(linear, "ROWS_ELEMENTS", 200 * 10)
+    pieces.quantize_(w)
+    assert rows == [10] * 7 + [7]
+    for (name, a), (_, b) in zip(whole.named_parameters(), pieces.named_parameters()):
+        assert torch.equal(a, b), name
+
+
 def test_lut_codes_are_nearest(code):
     code = torch.tensor(code)
     x = torch.rand(1000, generator=torch.Generator().manual_seed(5)) * 2 - 1

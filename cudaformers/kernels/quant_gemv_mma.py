@@ -39,6 +39,8 @@ On the CPU the tests run the whole kernel through the interpreter with its PTX e
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -434,9 +436,30 @@ def supports(x: torch.Tensor, w: PackedWeight) -> bool:
             and torch.cuda.get_device_capability(x.device)[0] >= 8)
 
 
-def default_plan(n: int, fmt: str, device: torch.device) -> tuple[int, int, int]:
-    """(warps per program, 16-row tiles per warp, blocks in flight a warp) for ``n`` rows of ``fmt``,
-    from qwen3-8b's layers on an H200 (us per call, bench/quant_gemv_mma.py, bench/RESULTS.md run 22):
+def default_plan(n: int, fmt: str, device: torch.device) -> tuple:
+    """The plan (warps, tiles, depth[, loads]) for ``n`` rows of ``fmt`` on ``device``: the rules measured
+    on that GPU where there are some (``_H100_PLAN``), else the H200's (``_H200_PLAN``, also what the
+    CPU tests launch)."""
+    sms = sm_count(device, 8)
+    few = n // 16 <= 2 * sms  # 16-row programs at most two an SM
+    pairs = n % 32 == 0  # whole 32-row programs (two tiles a warp)
+    pairs_many = pairs and n // 32 >= 4 * sms  # and four or more an SM
+    rules = _H100_PLAN if device.type == "cuda" and "H100" in _device_name(device) else _H200_PLAN
+    return rules(fmt, few, pairs, pairs_many)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def _device_name(device: torch.device) -> str:
+    return _cuda_device_name(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _H200_PLAN(fmt: str, few: bool, pairs: bool, pairs_many: bool) -> tuple:
+    """From qwen3-8b's layers on an H200 (us per call, bench/quant_gemv_mma.py, bench/RESULTS.md run 22),
+    before the pinned load modes existed:
 
     - 16 warps where the 16-row programs are at most two per SM: more warps put more of a program's
       blocks in flight (int4: o 5.5 against 6.3 with 8 warps, down 12.0 against 15.1; int8: o 7.7
@@ -446,15 +469,30 @@ def default_plan(n: int, fmt: str, device: torch.device) -> tuple[int, int, int]
       else one tile, two blocks deep (q/k/v 6.8 against 7.6 one deep);
     - int8: one tile, three blocks deep (q/k/v 10.3 against 11.5 one deep, gate/up 31.6 against 35.9;
       two tiles measured slower on every layer)."""
-    sms = sm_count(device, 8)
-    few = n // 16 <= 2 * sms
     if fmt == "int8":
         return (16, 1, 2) if few else (8, 1, 3)
+    return (16, 1, 1) if few else (8, 2, 1) if pairs_many else (8, 1, 2)
+
+
+def _H100_PLAN(fmt: str, few: bool, pairs: bool, pairs_many: bool) -> tuple:
+    """From qwen3-8b's layers on an H100 SXM (bench/RESULTS.md runs 25 and 26, which agree within 1.5%):
+    the coherent pinned loads (``PINNED_COHERENT``) win 7 of 8 layers, us per call against the H200's
+    rules on the same GPU:
+
+    - int4 o and down (few programs): 8 warps, two deep, coherent: o 5.2 against 6.1 (16 warps), down
+      12.4 against 12.3 (a tie, one rule for both);
+    - int4 q/k/v and gate/up: two tiles a warp, coherent: q/k/v 7.2 against 8.0 (one tile two deep, which
+      stays where the rows are not whole pairs of tiles: coherent it took 9.0), gate/up gated 22.4 against
+      22.4;
+    - int8 few: 16 warps, one deep, coherent: o 7.9 against 9.3, down 19.4 against 21.1;
+    - int8 gate/up: two tiles, coherent, 36.7 against 38.6; q/k/v three deep, coherent, 11.2 against 11.9.
+    The W2 decode at these plans: int4 2.10-2.13x bf16 (2.06x at the H200's rules), int8 1.47x (1.43x)."""
+    if fmt == "int8":
+        return (16, 1, 1, PINNED_COHERENT) if few else (8, 2, 1, PINNED_COHERENT) if pairs_many \
+            else (8, 1, 3, PINNED_COHERENT)
     if few:
-        return 16, 1, 1
-    if n % 32 == 0 and n // 32 >= 4 * sms:
-        return 8, 2, 1
-    return 8, 1, 2
+        return 8, 1, 2, PINNED_COHERENT
+    return (8, 2, 1, PINNED_COHERENT) if pairs else (8, 1, 2)
 
 
 def _check(x: torch.Tensor, w: PackedWeight) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import UnsupportedError
-from .linear import QuantLinear
+from .linear import QuantLinear, by_rows
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -59,7 +59,7 @@ class FP8Linear(QuantLinear):
                                    "modules_to_not_convert or use Int8Config")
 
     def quantize_(self, weight):
-        q, s = quantize_fp8_rows(weight)
+        q, s = by_rows(quantize_fp8_rows, weight)
         self.weight.copy_(q)
         self.weight_scale.copy_(s[:, 0])
 

@@ -11,7 +11,7 @@ import torch
 
 from ..errors import CheckpointError, UnsupportedError
 from ..kernels.quant_matmul import PackedWeight, pack_4bit
-from .linear import QuantLinear
+from .linear import QuantLinear, by_rows
 
 
 def padded(k: int, group: int) -> int:
@@ -65,7 +65,7 @@ class Int4Linear(QuantLinear):
         return shapes
 
     def quantize_(self, weight):
-        q, s, z = quantize_int4(weight, self.group_size, self.sym)
+        q, s, z = by_rows(quantize_int4, weight, self.group_size, self.sym)
         self.weight.copy_(q)
         self.scales.copy_(s)
         if z is not None:

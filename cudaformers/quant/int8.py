@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.quant_matmul import INT8_BLOCK, PackedWeight, pack_planes
-from .linear import QuantLinear
+from .linear import QuantLinear, by_rows
 
 
 def padded64(k: int) -> int:
@@ -33,7 +33,7 @@ class Int8Linear(QuantLinear):
                 "weight_scale": ((self.out_features,), torch.float32)}
 
     def quantize_(self, weight):
-        q, s = quantize_int8(weight)
+        q, s = by_rows(quantize_int8, weight)
         self.weight.copy_(q)
         self.weight_scale.copy_(s)
 

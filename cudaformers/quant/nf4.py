@@ -13,7 +13,7 @@ import torch
 
 from ..kernels.quant_matmul import DQ_BLOCK, PackedWeight, pack_4bit
 from .int4 import padded
-from .linear import QuantLinear
+from .linear import QuantLinear, by_rows
 
 NF4_CODE = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
             -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
@@ -77,7 +77,7 @@ class NF4Linear(QuantLinear):
         return shapes
 
     def quantize_(self, weight):
-        q, absmax = quantize_4bit(weight, self.method)
+        q, absmax = by_rows(quantize_4bit, weight, self.method)
         self.weight.copy_(q)
         if self.double_quant:
             q2, s2, offset = double_quantize(absmax)
