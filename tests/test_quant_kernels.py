@@ -175,6 +175,7 @@ def test_quantizing_in_pieces_of_rows_gives_the_same_parameters(monkeypatch, met
         assert torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("code", [NF4_CODE, FP4_CODE], ids=["nf4", "fp4"])
 def test_lut_codes_are_nearest(code):
     code = torch.tensor(code)
     x = torch.rand(1000, generator=torch.Generator().manual_seed(5)) * 2 - 1
