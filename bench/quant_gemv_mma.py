@@ -5,7 +5,8 @@ qwen3-8b's layers at batch 1 (q/k/v and gate/up packed), weights read from HBM (
         [--folds] [--compile-jobs 8]
 
 us per call in a CUDA graph of 50 calls (PDL as in decode; best of five replays), and the packed bytes' rate;
-the bf16 GEMV of the same layer for scale; gate/up gated for the formats that run it so (``GATED``).
+the bf16 GEMV of the same layer for scale; gate/up gated for the formats that run it so on this GPU
+(``gated_formats``).
 Fragment variants are (warps, tiles a warp, blocks in flight) and a letter for how the blocks load
 (``quant_gemv_mma.LOADS``): none in registers, "s" staged through shared memory (``cp.async``), "w"
 their weights only, "p" in registers past a fence a block, "c" so on the coherent path.
@@ -104,7 +105,7 @@ def main() -> None:
             ref = qm.quant_matmul_reference(x.float(), ws[0])
             errors = []
             # gate/up as the decode runs it: gated (the act-and-mul in the epilogue) where the format is
-            act = "silu" if name == "gate_up" and fmt in module.GATED else None
+            act = "silu" if name == "gate_up" and fmt in module.gated_formats(x.device) else None
             for plan in parse_variants(args.variants):
                 staged = LOAD_NAMES.get(plan[3] if len(plan) > 3 else 0, "")
                 us = graph_us([lambda w=w, c=plan: quant_gemv_mma(x, w, plan=c, act=act) for w in ws])
@@ -161,7 +162,7 @@ def compile_variants(args) -> None:
         x = torch.randn(1, k, device="cuda").bfloat16()
         for fmt in args.formats.split(","):
             w = packed_copies(fmt, torch.randn(n, k, device="cuda") * 0.02, copies=1)[0][0]
-            act = "silu" if name == "gate_up" and fmt in module.GATED else None
+            act = "silu" if name == "gate_up" and fmt in module.gated_formats(x.device) else None
             for plan in parse_variants(args.variants):
                 quant_gemv_mma(x, w, plan=plan, act=act)
                 if act:

@@ -305,3 +305,16 @@ def test_default_plans_on_qwen3_8b_are_the_measured_fastest(monkeypatch, gpu):
     monkeypatch.setattr(m, "sm_count", lambda device, off_gpu: 132)
     picked = {(fmt, n): m.default_plan(n, fmt, torch.device("cuda")) for fmt, n in QWEN3_8B_PLANS[gpu]}
     assert picked == QWEN3_8B_PLANS[gpu]
+
+
+def test_gate_up_runs_gated_per_gpu_unless_switched(monkeypatch):
+    from cudaformers.kernels import quant_gemv_mma as m
+
+    cuda = torch.device("cuda")
+    for gpu, formats in (("NVIDIA H100 80GB HBM3", ("int4", "int8")), ("NVIDIA H200", ("int4",))):
+        monkeypatch.setattr(m, "_device_name", lambda device, gpu=gpu: gpu)
+        assert m.gated_formats(cuda) == formats
+        monkeypatch.setattr(m, "GATED", ())
+        assert m.gated_formats(cuda) == ()
+        monkeypatch.setattr(m, "GATED", None)
+    assert m.gated_formats(torch.device("cpu")) == ("int4",)

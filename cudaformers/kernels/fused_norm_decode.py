@@ -76,8 +76,9 @@ def describe() -> str:
     if FUSE_ATTENTION:
         parts.append("qk_norm_rope inside the triton paged decode" + (
             "" if FUSE_ATTENTION_WITH_PDL else " where programmatic dependent launch is off"))
-    if quant_gemv_mma.GATED:
-        parts.append(f"{'/'.join(quant_gemv_mma.GATED)} gate/up at one row: act(gate) * up in the GEMV")
+    gated = quant_gemv_mma.gated_formats(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    if gated:
+        parts.append(f"{'/'.join(gated)} gate/up at one row: act(gate) * up in the GEMV")
     return "; ".join(parts)
 
 

@@ -145,10 +145,11 @@ def _gated_skinny(mlp, x):
 def _gated_quant(mlp, x):
     """``act(gate) * up`` from one fragment-GEMV launch (``quant_gemv_mma``'s ``act``) for one row of a
     quantized model whose gate/up projections are packed, where the unfused path would run exactly
-    that GEMV and then the act-and-mul kernel, for the formats in ``quant_gemv_mma.GATED``. None elsewhere."""
+    that GEMV and then the act-and-mul kernel, for the formats of ``quant_gemv_mma.gated_formats``. None
+    elsewhere."""
     from . import quant_gemv_mma, quant_matmul
 
-    if not (quant_gemv_mma.GATED and quant_matmul.USE_MMA and quant_matmul.USE_FRAGMENT_GEMV):
+    if not (quant_gemv_mma.gated_formats(x.device) and quant_matmul.USE_MMA and quant_matmul.USE_FRAGMENT_GEMV):
         return None  # (no format gated)
     from ..quant.packing import PackedQuantLinear
     from .fused_norm_decode import _unhooked
@@ -161,7 +162,7 @@ def _gated_quant(mlp, x):
     if packed.sizes[0] * 2 != layer.out_features or x.dtype != layer.compute_dtype or x.numel() != layer.in_features:
         return None
     x2, w = x.reshape(1, -1), layer.packed()
-    if w.fmt not in quant_gemv_mma.GATED or not quant_gemv_mma.supports(x2, w):
+    if w.fmt not in quant_gemv_mma.gated_formats(x.device) or not quant_gemv_mma.supports(x2, w):
         return None
     h = quant_gemv_mma.quant_gemv_mma(x2, w, layer.bias, act=mlp.act_fn.name)
     return h.view(*x.shape[:-1], packed.sizes[0])

@@ -29,7 +29,7 @@ stream at 1.6-2.5 TB/s (int4) and 2.2-3.2 TB/s (int8), against 1.0-1.5 and 1.8-2
 With ``act``, a packed gate/up projection comes out as ``act(gate) * up``: the lane that holds gate row
 i also holds up row i (its tile's second half, or its second tile, lies at the up half), so the
 epilogue applies the act-and-mul kernel's own arithmetic to the rounded rows and the decode MLP loses
-that launch (``GATED``, through ``hub._gated_quant``; the epilogue in ``quant_gemv_epilogues.py``).
+that launch (``gated_formats``, through ``hub._gated_quant``; the epilogue in ``quant_gemv_epilogues.py``).
 The decode layer's RMSNorms folded around these GEMVs (o ending in the residual add and the norm's
 shares of ``sum(h^2)``, gate/up scaled by ``1 / rms``) were built and measured slower on an H200
 (bench/RESULTS.md run 23: int4 419 -> 409 tok/s, int8 303 -> 294): removed.
@@ -85,9 +85,17 @@ def load_constexprs(loads: int) -> dict:
 UNMASKED_EVEN = False
 # The formats whose packed gate/up at one row runs as one launch with the act-and-mul in its epilogue
 # (``act`` of ``quant_gemv_mma``, through ``hub._gated_quant``): the same GEMV work and one launch fewer a
-# layer, bit for bit the unfused result. qwen3-8b decode on an H200 (bench/RESULTS.md run 23): int4
-# 406-411 -> 419-425 tok/s; int8 303 -> 296, so int8 keeps the two launches.
-GATED = ("int4",)
+# layer, bit for bit the unfused result. None: per GPU (``gated_formats``); a tuple overrides it
+# (benchmarks, tests).
+GATED = None
+
+
+def gated_formats(device: torch.device) -> tuple[str, ...]:
+    """qwen3-8b decode: on an H200 (bench/RESULTS.md run 23) int4 406-411 -> 419-425 tok/s, int8 303 -> 296,
+    so int8 keeps the two launches there; on an H100 at its own plans (run 26) int4 372 -> 387, int8 271 -> 279."""
+    if GATED is not None:
+        return GATED
+    return ("int4", "int8") if _on_h100(device) else ("int4",)
 # A lane's 16 bytes of a row as one load (``ld.global.nc.L1::no_allocate.v2.u64``: the read-only path,
 # not kept in L1, since each weight is read once) instead of two 8-byte loads, each of which touches half
 # of the same two sectors: half the load instructions and requests for the weights (sm_90 SASS:
@@ -444,8 +452,11 @@ def default_plan(n: int, fmt: str, device: torch.device) -> tuple:
     few = n // 16 <= 2 * sms  # 16-row programs at most two an SM
     pairs = n % 32 == 0  # whole 32-row programs (two tiles a warp)
     pairs_many = pairs and n // 32 >= 4 * sms  # and four or more an SM
-    rules = _H100_PLAN if device.type == "cuda" and "H100" in _device_name(device) else _H200_PLAN
-    return rules(fmt, few, pairs, pairs_many)
+    return (_H100_PLAN if _on_h100(device) else _H200_PLAN)(fmt, few, pairs, pairs_many)
+
+
+def _on_h100(device: torch.device) -> bool:
+    return device.type == "cuda" and "H100" in _device_name(device)
 
 
 @functools.lru_cache(maxsize=None)
