@@ -272,7 +272,7 @@ def test_each_gpus_default_plan_runs_and_matches_the_reference(monkeypatch, gpu,
     from cudaformers.kernels.activation import act_and_mul_forward
     from cudaformers.kernels.quant_matmul import quant_matmul_reference
 
-    monkeypatch.setattr(m, "_device_name", lambda device: gpu)
+    monkeypatch.setattr(m, "device_name", lambda device: gpu)
     monkeypatch.setattr(m, "sm_count", lambda device, off_gpu: 1)
     plan = m.default_plan(n, fmt[:4], torch.device("cuda"))
     emulate_inline_asm(monkeypatch)
@@ -301,7 +301,7 @@ QWEN3_8B_PLANS = {
 def test_default_plans_on_qwen3_8b_are_the_measured_fastest(monkeypatch, gpu):
     from cudaformers.kernels import quant_gemv_mma as m
 
-    monkeypatch.setattr(m, "_device_name", lambda device: gpu)
+    monkeypatch.setattr(m, "device_name", lambda device: gpu)
     monkeypatch.setattr(m, "sm_count", lambda device, off_gpu: 132)
     picked = {(fmt, n): m.default_plan(n, fmt, torch.device("cuda")) for fmt, n in QWEN3_8B_PLANS[gpu]}
     assert picked == QWEN3_8B_PLANS[gpu]
@@ -312,7 +312,7 @@ def test_gate_up_runs_gated_per_gpu_unless_switched(monkeypatch):
 
     cuda = torch.device("cuda")
     for gpu, formats in (("NVIDIA H100 80GB HBM3", ("int4", "int8")), ("NVIDIA H200", ("int4",))):
-        monkeypatch.setattr(m, "_device_name", lambda device, gpu=gpu: gpu)
+        monkeypatch.setattr(m, "device_name", lambda device, gpu=gpu: gpu)
         assert m.gated_formats(cuda) == formats
         monkeypatch.setattr(m, "GATED", ())
         assert m.gated_formats(cuda) == ()

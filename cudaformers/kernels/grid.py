@@ -27,6 +27,19 @@ def sm_count(device: torch.device, off_gpu: int) -> int:
     return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
+@functools.lru_cache(maxsize=None)
+def _cuda_device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def device_name(device: torch.device) -> str:
+    """The GPU model of a CUDA ``device`` (cached, as ``sm_count``), else ``""``: what launch rules
+    measured per GPU model (``quant_gemv_mma.default_plan``) are chosen by."""
+    if device.type != "cuda":
+        return ""
+    return _cuda_device_name(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def cdiv(a: int, b: int) -> int:
     """``ceil(a / b)`` for integers, as ``triton.cdiv``."""
     return -(-a // b)

@@ -149,7 +149,8 @@ def _gated_quant(mlp, x):
     elsewhere."""
     from . import quant_gemv_mma, quant_matmul
 
-    if not (quant_gemv_mma.gated_formats(x.device) and quant_matmul.USE_MMA and quant_matmul.USE_FRAGMENT_GEMV):
+    gated = quant_gemv_mma.gated_formats(x.device)
+    if not (gated and quant_matmul.USE_MMA and quant_matmul.USE_FRAGMENT_GEMV):
         return None  # (no format gated)
     from ..quant.packing import PackedQuantLinear
     from .fused_norm_decode import _unhooked
@@ -162,7 +163,7 @@ def _gated_quant(mlp, x):
     if packed.sizes[0] * 2 != layer.out_features or x.dtype != layer.compute_dtype or x.numel() != layer.in_features:
         return None
     x2, w = x.reshape(1, -1), layer.packed()
-    if w.fmt not in quant_gemv_mma.gated_formats(x.device) or not quant_gemv_mma.supports(x2, w):
+    if w.fmt not in gated or not quant_gemv_mma.supports(x2, w):
         return None
     h = quant_gemv_mma.quant_gemv_mma(x2, w, layer.bias, act=mlp.act_fn.name)
     return h.view(*x.shape[:-1], packed.sizes[0])

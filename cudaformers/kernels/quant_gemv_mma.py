@@ -39,14 +39,12 @@ On the CPU the tests run the whole kernel through the interpreter with its PTX e
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from .activation import _code
-from .grid import sm_count
+from .grid import device_name, sm_count
 from .pdl import pdl_enabled, release_dependents, wait_for_producer
 from .quant_gemv_epilogues import store_gated, store_rows
 from .quant_fragments import INT4_GROUP, INT8_BLOCK, int4_block_asm, int8_block_asm
@@ -456,16 +454,7 @@ def default_plan(n: int, fmt: str, device: torch.device) -> tuple:
 
 
 def _on_h100(device: torch.device) -> bool:
-    return device.type == "cuda" and "H100" in _device_name(device)
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_device_name(index: int) -> str:
-    return torch.cuda.get_device_name(index)
-
-
-def _device_name(device: torch.device) -> str:
-    return _cuda_device_name(device.index if device.index is not None else torch.cuda.current_device())
+    return "H100" in device_name(device)
 
 
 def _H200_PLAN(fmt: str, few: bool, pairs: bool, pairs_many: bool) -> tuple:
