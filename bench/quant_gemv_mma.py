@@ -1,8 +1,8 @@
 """The fragment GEMV (``kernels/quant_gemv_mma.py``, int4 and int8) against the kernels it replaced, on
 qwen3-8b's layers at batch 1 (q/k/v and gate/up packed), weights read from HBM (copies cycled past L2).
 
-    python bench/quant_gemv_mma.py [--formats int4,int8] [--variants 8,2,1;8,2,2,s] [--unmasked] [--nowide]
-        [--folds] [--compile-jobs 8]
+    python bench/quant_gemv_mma.py [--formats int4,int8] [--layers qkv,o,gate_up,down,lm_head]
+        [--variants 8,2,1;8,2,2,s] [--unmasked] [--nowide] [--folds] [--compile-jobs 8]
 
 us per call in a CUDA graph of 50 calls (PDL as in decode; best of five replays), and the packed bytes' rate;
 the bf16 GEMV of the same layer for scale; gate/up gated for the formats that run it so on this GPU
@@ -26,7 +26,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import graph_us  # noqa: E402
 
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
+          "lm_head": (151936, 4096)}  # the vocabulary projection, where it is quantized (modules_to_not_convert=[])
+LAYERS = "qkv,o,gate_up,down"  # a decoder layer's four calls (the default)
+
+
+def layer_shapes(text: str) -> dict[str, tuple[int, int]]:
+    unknown = [name for name in text.split(",") if name not in SHAPES]
+    if unknown:
+        raise SystemExit(f"--layers: unknown {unknown}; choose from {list(SHAPES)}")
+    return {name: SHAPES[name] for name in text.split(",")}
 VARIANTS = ("8,1,1;16,1,1;4,2,1;8,2,1;8,1,2;16,1,2;4,2,2;8,2,2;8,1,3;16,1,3;4,2,3;8,2,3;"
             "8,1,1,s;16,1,1,s;8,2,1,s;8,1,2,s;16,1,2,s;4,2,2,s;8,2,2,s;16,1,3,s;8,2,3,s")
 
@@ -65,6 +74,7 @@ def packed_copies(fmt: str, w32: torch.Tensor, copies: int | None = None):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--formats", default="int4,int8")
+    ap.add_argument("--layers", default=LAYERS, help=f"qwen3-8b's layers to time, of {list(SHAPES)}")
     ap.add_argument("--variants", default=VARIANTS, help="fragment plans: warps,tiles,depth[,s|w|p|c];...")
     ap.add_argument("--unmasked", action="store_true", help="loads without masks where the blocks divide evenly")
     ap.add_argument("--nowide", action="store_true", help="the weights as 8-byte loads (WIDE_LOADS off)")
@@ -92,7 +102,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     total: dict[str, float] = {}
     best: dict[tuple, dict] = {}
-    for name, (n, k) in SHAPES.items():
+    for name, (n, k) in layer_shapes(args.layers).items():
         w32 = torch.randn(n, k, device="cuda") * 0.02
         x = torch.randn(1, k, device="cuda").bfloat16()
         bf = [w32.bfloat16() for _ in range(max(1, -(-256 * 2 ** 20 // (n * k * 2))))]
@@ -122,7 +132,7 @@ def main() -> None:
             total[label] = total.get(label, 0.0) + us
         if args.best:  # after every layer, so that a run cut short still leaves the layers it timed
             Path(args.best).write_text(json.dumps(list(best.values()), indent=1))
-    print("a layer (four calls):", {k: round(v, 2) for k, v in total.items()})
+    print(f"the layers together ({args.layers}):", {k: round(v, 2) for k, v in total.items()})
     if args.best:
         print("fastest:", list(best.values()))
 
@@ -133,7 +143,7 @@ def _set_switches(module, args) -> None:
 
 
 def _switches(args) -> list[str]:
-    return ["--formats", args.formats] + ["--unmasked"] * args.unmasked + ["--nowide"] * args.nowide
+    return ["--formats", args.formats, "--layers", args.layers] + ["--unmasked"] * args.unmasked + ["--nowide"] * args.nowide
 
 
 def compile_in_parallel(args) -> None:
@@ -158,7 +168,7 @@ def compile_variants(args) -> None:
     from cudaformers.kernels.quant_gemv_mma import quant_gemv_mma
 
     _set_switches(module, args)
-    for name, (n, k) in SHAPES.items():
+    for name, (n, k) in layer_shapes(args.layers).items():
         x = torch.randn(1, k, device="cuda").bfloat16()
         for fmt in args.formats.split(","):
             w = packed_copies(fmt, torch.randn(n, k, device="cuda") * 0.02, copies=1)[0][0]
