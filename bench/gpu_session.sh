@@ -150,7 +150,7 @@ for part in "${parts[@]}"; do
                   tests/gpu/test_quant_gpu.py -k "fragment_gemv_matches_reference or gated_fragment_gemv" ;;
     frag-bench) run frag-bench 540 python3 bench/quant_gemv_mma.py --formats int4,int8 --best "$OUT/plans.json" \
                   --layers "${LAYERS:-qkv,o,gate_up,down}" \
-                  --variants "16,1,1;8,1,2;8,2,1;16,1,2;8,1,3;16,1,1,p;8,1,2,p;8,2,1,p;16,1,2,p;16,1,1,c;8,1,2,c;8,2,1,c;16,1,2,c;8,1,3,c;16,1,3,c;8,2,2,c;8,2,2,s;16,1,2,w;8,2,2,w;8,1,3,w" ;;
+                  --variants "${VARIANTS:-16,1,1;8,1,2;8,2,1;16,1,2;8,1,3;16,1,1,p;8,1,2,p;8,2,1,p;16,1,2,p;16,1,1,c;8,1,2,c;8,2,1,c;16,1,2,c;8,1,3,c;16,1,3,c;8,2,2,c;8,2,2,s;16,1,2,w;8,2,2,w;8,1,3,w}${EXTRA_VARIANTS:+;$EXTRA_VARIANTS}" ;;
     frag-decode) run frag-decode 400 python3 bench/quant.py --parts decode --shapes qwen3-8b --plans "${PLANS:-$OUT/plans.json}" \
                    --methods "${FRAG_METHODS:-bf16,int4,int4_plans,int8,int8_plans,int4_head_plans}" --json "$OUT/results.jsonl" ;;
     # The W2 decode at the defaults, with the lm_head quantized too (METHODS overrides the list).
