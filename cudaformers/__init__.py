@@ -27,6 +27,8 @@ _EXPORTS = {
     "Int8Config": "cudaformers.quant.config",
     "Int4Config": "cudaformers.quant.config",
     "FP8Config": "cudaformers.quant.config",
+    "GPTQConfig": "cudaformers.quant.config",
+    "AwqConfig": "cudaformers.quant.config",
     "LoraConfig": "cudaformers.peft.lora",
     "get_peft_model": "cudaformers.peft.lora",
     "PeftModel": "cudaformers.peft.lora",

@@ -200,18 +200,19 @@ def test_streamed_equals_in_place_bit_for_bit(monkeypatch):
     assert all(torch.equal(got[n], in_place[n]) for n in got)
 
 
-def _gptq_folder():
-    from tests.test_quant_models import write_gptq_checkpoint
+def _gptq_folder(kind: str = "gptq"):
+    from tests.test_quant_checkpoints import write_awq_checkpoint, write_gptq_checkpoint
 
-    folder, _ = write_gptq_checkpoint(tiny.checkpoint("llama_mha_untied"), 32, False)  # zeros differ per layer
+    src = tiny.checkpoint("llama_mha_untied")  # asymmetric: zeros differ per layer
+    folder, _ = write_awq_checkpoint(src, 32) if kind == "awq" else write_gptq_checkpoint(src, 32, False)
     return folder, json.loads((folder / "config.json").read_text())["quantization_config"]
 
 
-@pytest.mark.parametrize("kind", ["int8", "gptq"])
+@pytest.mark.parametrize("kind", ["int8", "gptq", "awq"])
 def test_loaders_keep_what_they_are_given(monkeypatch, kind):
-    # GPTQ layers hold qweight/qzeros/scales until all have arrived: with a staging buffer reused
-    # in between, a view would be overwritten.
-    folder, qc = _gptq_folder() if kind == "gptq" else (tiny.checkpoint("llama_bias"), Int8Config())
+    # GPTQ and AWQ layers hold qweight/qzeros/scales until all have arrived: with a staging buffer
+    # reused in between, a view would be overwritten.
+    folder, qc = _gptq_folder(kind) if kind != "int8" else (tiny.checkpoint("llama_bias"), Int8Config())
     in_place = _params(AutoModelForCausalLM.from_pretrained(folder, quantization_config=qc))
     monkeypatch.setattr(pretrained, "_stream_target", lambda params: torch.device("cpu"))
     monkeypatch.setattr(streaming, "CHUNK_BYTES", 1024)

@@ -1,14 +1,12 @@
 """Quantized models end to end on CPU (the PyTorch reference path): loading with each config, the
-error against the unquantized model, save/load round trips, GPTQ checkpoints written here in the
-GPTQ layout, and the errors a user can meet."""
+error against the unquantized model, save/load round trips, and the errors a user can meet (GPTQ and
+AWQ checkpoints: test_quant_checkpoints.py)."""
 
 import json
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from cudaformers import AutoModelForCausalLM, BitsAndBytesConfig, FP8Config, Int4Config, Int8Config
 from cudaformers.errors import CheckpointError, UnsupportedError
@@ -137,70 +135,6 @@ def test_quantize_loaded_model_matches_quantize_on_load(folder):
     on_load = _logits(AutoModelForCausalLM.from_pretrained(folder, quantization_config=Int4Config(group_size=32)))
     after = quantize(AutoModelForCausalLM.from_pretrained(folder), Int4Config(group_size=32))
     assert torch.equal(_logits(after), on_load)
-
-
-# -- GPTQ ------------------------------------------------------------------------------------------
-def _gptq_pack_rows(values: torch.Tensor) -> torch.Tensor:
-    """int4 values ``[R, C]`` -> int32 ``[R/8, C]``: eight consecutive rows per int32, row 8i+j at bits 4j."""
-    v = values.to(torch.int64).view(values.shape[0] // 8, 8, values.shape[1])
-    packed = sum(v[:, j] << (4 * j) for j in range(8))
-    return (packed - ((packed >> 31) << 32)).to(torch.int32)  # reinterpret the uint32 bits
-
-
-def write_gptq_checkpoint(src: Path, group: int, sym: bool) -> tuple[Path, dict]:
-    """Quantize every decoder Linear of ``src`` the GPTQ way (round to nearest) and write the GPTQ
-    checkpoint layout; returns the folder and the dequantized weights it stands for."""
-    tensors = load_file(src / "model.safetensors")
-    out, dequantized = {}, {}
-    for name, w in tensors.items():
-        if not (name.startswith("model.layers.") and name.endswith("_proj.weight")):
-            out[name] = w
-            continue
-        n, k = w.shape
-        wg = w.float().t().reshape(k // group, group, n)  # GPTQ works on W.T: [K, N]
-        if sym:
-            scale = wg.abs().amax(1) / 7.5
-            zero = torch.full_like(scale, 8)
-        else:
-            lo, hi = wg.amin(1).clamp(max=0), wg.amax(1).clamp(min=0)
-            scale = (hi - lo) / 15
-            zero = torch.round(-lo / scale)
-        q = (torch.round(wg / scale[:, None]) + zero[:, None]).clamp(0, 15).reshape(k, n)
-        prefix = name.removesuffix(".weight")
-        out[prefix + ".qweight"] = _gptq_pack_rows(q)
-        out[prefix + ".qzeros"] = _gptq_pack_rows((zero - 1).t()).t().contiguous()  # stored minus one
-        out[prefix + ".scales"] = scale.half()
-        out[prefix + ".g_idx"] = (torch.arange(k) // group).to(torch.int32)
-        deq = (q.reshape(k // group, group, n) - zero[:, None]) * scale.half().float()[:, None]
-        dequantized[name] = deq.reshape(k, n).t()
-    folder = Path(tempfile.mkdtemp(prefix="cf-gptq-"))
-    save_file({k: v.contiguous() for k, v in out.items()}, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group, "sym": sym,
-                                     "desc_act": False, "damp_percent": 0.01, "true_sequential": True}
-    (folder / "config.json").write_text(json.dumps(config))
-    return folder, dequantized
-
-
-@pytest.mark.parametrize("sym", [True, False], ids=["sym", "asym"])
-def test_gptq_checkpoint_matches_dequantized_reference(sym):
-    src = tiny.checkpoint("llama_mha_untied")
-    folder, dequantized = write_gptq_checkpoint(src, 32, sym)
-    reference = tiny.hf_model(src)
-    with torch.no_grad():
-        for name, w in dequantized.items():
-            reference.get_parameter(name).copy_(w)
-        expected = reference(IDS).logits
-    qc = json.loads((folder / "config.json").read_text())["quantization_config"]
-    model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=qc)
-    assert repr(model._quantization).startswith("GPTQ int4")
-    torch.testing.assert_close(_logits(model), expected, atol=1e-4, rtol=1e-4)
-
-
-def test_gptq_act_order_is_refused():
-    with pytest.raises(UnsupportedError, match="desc_act"):
-        AutoModelForCausalLM.from_pretrained(tiny.checkpoint("llama"), quantization_config={
-            "quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": True})
 
 
 # -- packed q/k/v and gate/up of quantized models ---------------------------------------------------------

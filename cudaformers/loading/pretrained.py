@@ -204,6 +204,10 @@ def _assign(model, params, modules, tensors, streamed: bool) -> int:
         with torch.no_grad():
             param.copy_(tensor, non_blocking=True)
         loaded.add(name)
+    for module_name in via_loader:  # a layer read from several tensors checks that all of them came
+        finish = getattr(modules[module_name], "finish_checkpoint", None)
+        if finish is not None:
+            finish()
     tied = getattr(model.config, "tie_word_embeddings", False)
     missing = [n for n in params if n not in loaded and not (tied and n == "lm_head.weight")
                and n.rpartition(".")[0] not in via_loader]

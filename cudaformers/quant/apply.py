@@ -22,9 +22,9 @@ logger = logging.getLogger("cudaformers")
 
 def _factory(config: QuantizationConfig):
     method = config.method
-    if config.quant_method == "gptq":
-        gptq = {"zero_offset": 0 if config.checkpoint_format == "gptq_v2" else 1}
-        return lambda i, o, b, dt: Int4Linear(i, o, b, dt, config.group_size, config.sym, gptq=gptq)
+    if config.quant_method in ("gptq", "awq"):
+        fmt = "awq" if config.quant_method == "awq" else "gptq_v2" if config.checkpoint_format == "gptq_v2" else "gptq"
+        return lambda i, o, b, dt: Int4Linear(i, o, b, dt, config.group_size, config.sym, checkpoint_format=fmt)
     if method == "int8":
         return lambda i, o, b, dt: Int8Linear(i, o, b, dt)
     if method == "int4":
@@ -76,7 +76,7 @@ def prepare_model_for_quantization(model: nn.Module, quantization_config) -> Qua
         fuse_projections(model)  # the quantized projections, packed again
     model._quantization = config
     if hasattr(model, "config"):
-        model.config.quantization_config = config.to_dict()
+        model.config.quantization_config = config.saved().to_dict()
     hooks = model.__dict__.setdefault("_mode_hooks", [])
     hooks.append(_on_mode_change)
     if hasattr(model, "_choices"):

@@ -4,7 +4,7 @@
 ``bnb_4bit_use_double_quant``, ``bnb_4bit_compute_dtype``, ``load_in_8bit``) but runs on
 cudaformers' own Triton kernels: no bitsandbytes. ``Int8Config``, ``Int4Config`` and ``FP8Config``
 are weight-only int8 (per channel), group-wise int4 and e4m3 fp8. A config saved in config.json
-(``to_dict``) comes back through ``quantization_config_from``; GPTQ checkpoints' configs load too.
+(``to_dict``) comes back through ``quantization_config_from``; GPTQ and AWQ checkpoints' configs load too.
 """
 
 from __future__ import annotations
@@ -55,6 +55,11 @@ class QuantizationConfig:
             out[k] = str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else v
         out["packing"] = PACKING
         return out
+
+    def saved(self) -> "QuantizationConfig":
+        """The config a model quantized with this one records, so that ``save_pretrained`` writes what its
+        tensors are (an imported GPTQ/AWQ checkpoint is repacked to int4 as it loads)."""
+        return self
 
     def to_json_string(self) -> str:
         import json
@@ -121,9 +126,69 @@ class GPTQConfig(Int4Config):
         if self.desc_act:
             raise UnsupportedError("GPTQ desc_act=True (act-order) checkpoints are not supported; use one "
                                    "quantized with desc_act=False")
+        if self.checkpoint_format not in ("gptq", "gptq_v2"):
+            raise UnsupportedError(f"GPTQ checkpoint_format={self.checkpoint_format!r} is not supported; 'gptq' and "
+                                   "'gptq_v2' checkpoints load")
+
+    @property
+    def skip_modules(self) -> tuple[str, ...]:
+        return _imported_skip(self)
 
     def describe(self) -> str:
         return f"GPTQ int4 checkpoint, group {self.group_size}, {'symmetric' if self.sym else 'asymmetric'}"
+
+    def saved(self) -> Int4Config:
+        return _as_int4(self)
+
+
+@dataclass(repr=False)
+class AwqConfig(Int4Config):
+    """A pre-quantized AWQ checkpoint (AutoAWQ's "gemm" layout, read from its config.json); repacked to
+    int4 as it loads. AWQ stores a zero point per group, so it loads as asymmetric int4."""
+
+    quant_method = "awq"
+    bits: int = 4
+    zero_point: bool = True
+    version: str = "gemm"
+    sym: bool = False
+
+    def __post_init__(self):
+        if self.group_size == -1:
+            raise UnsupportedError("AWQ group_size=-1 (one group per row) is not supported; use a grouped "
+                                   "checkpoint (group_size 32/64/128)")
+        super().__post_init__()
+        if self.bits != 4:
+            raise UnsupportedError(f"AWQ bits={self.bits}: only 4-bit AWQ checkpoints load")
+        if str(self.version).lower() != "gemm":
+            raise UnsupportedError(f"AWQ version={self.version!r}: only the 'gemm' layout (AutoAWQ's default, packed "
+                                   "along the output features) loads; use a 'gemm' checkpoint or the bf16 original "
+                                   "with Int4Config()")
+        if not self.zero_point:
+            raise UnsupportedError("AWQ zero_point=False checkpoints are not supported; use one quantized with "
+                                   "zero_point=True (AutoAWQ's default)")
+        self.sym = False
+
+    @property
+    def skip_modules(self) -> tuple[str, ...]:
+        return _imported_skip(self)
+
+    def describe(self) -> str:
+        return f"AWQ int4 checkpoint, group {self.group_size}"
+
+    def saved(self) -> Int4Config:
+        return _as_int4(self)
+
+
+def _imported_skip(config: QuantizationConfig) -> tuple[str, ...]:
+    """A pre-quantized checkpoint keeps its lm_head in float whatever else its config lists (transformers
+    reads GPTQ and AWQ checkpoints so too)."""
+    listed = tuple(config.modules_to_not_convert or ())
+    return DEFAULT_SKIP + tuple(m for m in listed if m not in DEFAULT_SKIP)
+
+
+def _as_int4(config: Int4Config) -> Int4Config:
+    return Int4Config(modules_to_not_convert=list(config.skip_modules), group_size=config.group_size,
+                      sym=config.sym, compute_dtype=config.compute_dtype)
 
 
 @dataclass(repr=False)
@@ -192,7 +257,8 @@ class BitsAndBytesConfig(QuantizationConfig):
         return f"bitsandbytes-style 4-bit: {self.bnb_4bit_quant_type} in blocks of 64{dq}"
 
 
-_BY_METHOD = {c.quant_method: c for c in (Int8Config, Int4Config, GPTQConfig, FP8Config, BitsAndBytesConfig)}
+_BY_METHOD = {c.quant_method: c for c in (Int8Config, Int4Config, GPTQConfig, AwqConfig, FP8Config,
+                                           BitsAndBytesConfig)}
 
 
 def quantization_config_from(value) -> QuantizationConfig:
@@ -220,6 +286,6 @@ def quantization_config_from(value) -> QuantizationConfig:
     kwargs.setdefault("packing", None)
     if cls is BitsAndBytesConfig:
         kwargs["extra"] = {k: v for k, v in data.items() if k not in known}  # kept for round trips
-    elif method in ("int8", "int4") and kwargs.get("compute_dtype"):
+    elif method in ("int8", "int4", "gptq", "awq") and kwargs.get("compute_dtype"):
         kwargs["compute_dtype"] = _dtype(kwargs["compute_dtype"])
     return cls(**kwargs)

@@ -1,16 +1,17 @@
-"""Group-wise int4 weight-only quantization (group 128 by default), and GPTQ checkpoint import.
+"""Group-wise int4 weight-only quantization (group 128 by default), and pre-quantized int4 checkpoints.
 
 Symmetric: ``w = (q - 8) * s`` per group of ``group_size`` input features; asymmetric adds a float
-zero point per group: ``w = (q - z) * s``. GPTQ checkpoints (``qweight``/``qzeros``/``scales``/
-``g_idx``, 8 values per int32) are repacked into the same layout as they load.
+zero point per group: ``w = (q - z) * s``. GPTQ and AWQ checkpoints are repacked into the same layout
+as they load (``int4_checkpoints.py``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..errors import CheckpointError, UnsupportedError
+from ..errors import CheckpointError
 from ..kernels.quant_matmul import PackedWeight, pack_4bit
+from . import int4_checkpoints
 from .linear import QuantLinear, by_rows
 
 
@@ -36,24 +37,15 @@ def quantize_int4(weight: torch.Tensor, group: int, sym: bool = True):
     return pack_4bit(q.view(n, -1), group), scale.half(), zeros
 
 
-def unpack_gptq_int32(packed: torch.Tensor, dim: int) -> torch.Tensor:
-    """int32 tensors holding 8 int4 values each, value i in bits 4i..4i+3, unpacked along ``dim``."""
-    shifts = torch.arange(0, 32, 4, device=packed.device, dtype=torch.int32)
-    if dim == 0:  # qweight [K/8, N] -> [K, N]
-        vals = (packed[:, None, :] >> shifts[None, :, None]) & 15
-        return vals.reshape(-1, packed.shape[1])
-    vals = (packed[:, :, None] >> shifts[None, None, :]) & 15  # qzeros [G, N/8] -> [G, N]
-    return vals.reshape(packed.shape[0], -1)
-
-
 class Int4Linear(QuantLinear):
     method = "int4"
 
     def __init__(self, in_features, out_features, bias, compute_dtype, group_size: int = 128, sym: bool = True,
-                 gptq: dict | None = None):
+                 checkpoint_format: str | None = None):
         self.group_size, self.sym = group_size, sym
-        # GPTQ import: the checkpoint's tensors arrive one by one; kept until all four are here.
-        self._gptq, self._pending = gptq, {}
+        # A pre-quantized checkpoint (a key of int4_checkpoints.REQUIRED): its tensors arrive one by one
+        # and are kept until the layer's last one is here.
+        self._format, self._pending = checkpoint_format, {}
         super().__init__(in_features, out_features, bias, compute_dtype)
 
     def packed_shapes(self):
@@ -77,34 +69,36 @@ class Int4Linear(QuantLinear):
 
     @torch.no_grad()
     def load_checkpoint_tensor(self, attr, tensor):
-        if self._gptq is None or attr == "bias":
+        if self._format is None or attr == "bias":
             return super().load_checkpoint_tensor(attr, tensor)
-        if attr not in ("qweight", "qzeros", "scales", "g_idx"):
-            raise CheckpointError(f"unexpected tensor {attr!r} in a GPTQ checkpoint layer (expected qweight, qzeros, "
-                                  "scales, g_idx, bias)")
+        required, optional = int4_checkpoints.REQUIRED[self._format], int4_checkpoints.OPTIONAL[self._format]
+        if attr not in required + optional:
+            raise CheckpointError(f"unexpected tensor {attr!r} in a {self._format.upper()} checkpoint layer (expected "
+                                  f"{', '.join(required + optional)}, bias)")
+        if attr == "g_idx":
+            return int4_checkpoints.check_g_idx(tensor, self.in_features, self.group_size)
         self._pending[attr] = tensor.to(self.weight.device)
-        if {"qweight", "qzeros", "scales"} <= set(self._pending) and \
-                ("g_idx" in self._pending or not self._gptq.get("has_g_idx", True)):
-            self._load_gptq(**self._pending)
+        if set(required) <= set(self._pending):
+            self._write_imported(*int4_checkpoints.unpack(self._format, self.in_features, self.out_features,
+                                                           self.group_size, **self._pending))
             self._pending = {}
 
-    def _load_gptq(self, qweight, qzeros, scales, g_idx=None):
-        k, n, g = self.in_features, self.out_features, self.group_size
-        if tuple(qweight.shape) != (k // 8, n) or tuple(scales.shape) != (-(-k // g), n):
-            raise CheckpointError(f"GPTQ tensors qweight {tuple(qweight.shape)} / scales {tuple(scales.shape)} do not "
-                                  f"fit a {k} -> {n} layer with group_size {g}")
-        if g_idx is not None and not torch.equal(g_idx.long().cpu(), torch.arange(k) // g):
-            raise UnsupportedError("this GPTQ checkpoint was quantized with desc_act=True (act-order g_idx); "
-                                   "only desc_act=False checkpoints load; re-quantize with desc_act=False")
-        codes = unpack_gptq_int32(qweight.int(), 0).t()  # [N, K]
-        # The classic GPTQ format stores zero points minus one ("gptq_v2" stores them as they are).
-        zeros = unpack_gptq_int32(qzeros.int(), 1)[:, :n].t().float() + self._gptq.get("zero_offset", 1)
-        kp = padded(k, g)
-        codes = torch.nn.functional.pad(codes, (0, kp - k), value=8)
+    def finish_checkpoint(self) -> None:
+        """Called once the checkpoint is read: a layer that got only some of its tensors is an error."""
+        if self._pending:
+            missing = sorted(set(int4_checkpoints.REQUIRED[self._format]) - set(self._pending))
+            raise CheckpointError(f"a {self._format.upper()} checkpoint layer ({self.in_features} -> "
+                                  f"{self.out_features}) lacks {missing}; the files are incomplete")
+
+    def _write_imported(self, codes, zeros, scales):
+        k, g = self.in_features, self.group_size
+        codes = torch.nn.functional.pad(codes, (0, padded(k, g) - k), value=8)
         self.weight.copy_(pack_4bit(codes, g))
-        self.scales.copy_(scales.t().half())
+        self.scales.copy_(scales)
         if self.sym:
             if not torch.all(zeros == 8):
-                raise CheckpointError("quantization_config says sym=True but the GPTQ zero points are not all 8")
+                raise CheckpointError(f"quantization_config says the {self._format.upper()} checkpoint is symmetric, "
+                                      "but its zero points are not all 8")
         else:
             self.zeros.copy_(zeros.half())
+

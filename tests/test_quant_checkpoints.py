@@ -1,0 +1,178 @@
+"""Pre-quantized int4 checkpoints (GPTQ, AWQ) written here in each format's public layout from a tiny
+random model, loaded, and compared with transformers running the weights they stand for; their round
+trips through save_pretrained, and the errors a user can meet."""
+
+import json
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from cudaformers import AutoModelForCausalLM
+from cudaformers.errors import CheckpointError, UnsupportedError
+from cudaformers.quant.linear import QuantLinear
+from tests import tiny
+
+IDS = torch.randint(3, 200, (2, 11), generator=torch.Generator().manual_seed(0))
+
+
+def _logits(model, ids=IDS):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def _round_to_nearest(w: torch.Tensor, group: int, sym: bool):
+    """``[N, K]`` float -> codes ``[K, N]``, zero points and fp16-rounded scales ``[K/G, N]``, and the
+    dequantized ``[N, K]`` weight they stand for: how both formats' tools lay out W.T, rounded to nearest."""
+    n, k = w.shape
+    wg = w.float().t().reshape(k // group, group, n)
+    if sym:
+        scale = wg.abs().amax(1) / 7.5
+        zero = torch.full_like(scale, 8)
+    else:
+        lo, hi = wg.amin(1).clamp(max=0), wg.amax(1).clamp(min=0)
+        scale = (hi - lo) / 15
+        zero = torch.round(-lo / scale)
+    q = (torch.round(wg / scale[:, None]) + zero[:, None]).clamp(0, 15).reshape(k, n)
+    deq = (q.reshape(k // group, group, n) - zero[:, None]) * scale.half().float()[:, None]
+    return q, zero, scale.half(), deq.reshape(k, n).t()
+
+
+def _int32(packed: torch.Tensor) -> torch.Tensor:
+    return (packed - ((packed >> 31) << 32)).to(torch.int32)  # reinterpret the uint32 bits
+
+
+def _write(src: Path, prefix: str, layers, quantization_config: dict) -> Path:
+    """``src`` with every decoder projection replaced by ``layers(name, weight) -> {suffix: tensor}``."""
+    out = {}
+    for name, w in load_file(src / "model.safetensors").items():
+        if name.startswith("model.layers.") and name.endswith("_proj.weight"):
+            out.update({name.removesuffix(".weight") + "." + k: v for k, v in layers(name, w).items()})
+        else:
+            out[name] = w
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    save_file({k: v.contiguous() for k, v in out.items()}, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = quantization_config
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def _reference_logits(src: Path, dequantized: dict) -> torch.Tensor:
+    reference = tiny.hf_model(src)
+    with torch.no_grad():
+        for name, w in dequantized.items():
+            reference.get_parameter(name).copy_(w)
+        return reference(IDS).logits
+
+
+# -- GPTQ ------------------------------------------------------------------------------------------
+def _gptq_pack_rows(values: torch.Tensor) -> torch.Tensor:
+    """int4 values ``[R, C]`` -> int32 ``[R/8, C]``: eight consecutive rows per int32, row 8i+j at bits 4j."""
+    v = values.to(torch.int64).view(values.shape[0] // 8, 8, values.shape[1])
+    return _int32(sum(v[:, j] << (4 * j) for j in range(8)))
+
+
+def write_gptq_checkpoint(src: Path, group: int, sym: bool) -> tuple[Path, dict]:
+    """Quantize every decoder Linear of ``src`` the GPTQ way (round to nearest) and write the GPTQ
+    checkpoint layout; returns the folder and the dequantized weights it stands for."""
+    dequantized = {}
+
+    def layer(name, w):
+        q, zero, scale, dequantized[name] = _round_to_nearest(w, group, sym)
+        return {"qweight": _gptq_pack_rows(q), "qzeros": _gptq_pack_rows((zero - 1).t()).t(),  # stored minus one
+                "scales": scale, "g_idx": (torch.arange(w.shape[1]) // group).to(torch.int32)}
+    folder = _write(src, "cf-gptq-", layer, {"quant_method": "gptq", "bits": 4, "group_size": group, "sym": sym,
+                                            "desc_act": False, "damp_percent": 0.01, "true_sequential": True})
+    return folder, dequantized
+
+
+@pytest.mark.parametrize("sym", [True, False], ids=["sym", "asym"])
+def test_gptq_checkpoint_matches_dequantized_reference(sym):
+    src = tiny.checkpoint("llama_mha_untied")
+    folder, dequantized = write_gptq_checkpoint(src, 32, sym)
+    model = AutoModelForCausalLM.from_pretrained(folder)  # the config from config.json
+    assert repr(model._quantization).startswith("GPTQ int4")
+    torch.testing.assert_close(_logits(model), _reference_logits(src, dequantized), atol=1e-4, rtol=1e-4)
+
+
+def test_gptq_act_order_and_other_formats_are_refused():
+    with pytest.raises(UnsupportedError, match="desc_act"):
+        AutoModelForCausalLM.from_pretrained(tiny.checkpoint("llama"), quantization_config={
+            "quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": True})
+    with pytest.raises(UnsupportedError, match="checkpoint_format='marlin'"):
+        AutoModelForCausalLM.from_pretrained(tiny.checkpoint("llama"), quantization_config={
+            "quant_method": "gptq", "bits": 4, "group_size": 32, "checkpoint_format": "marlin"})
+
+
+# -- AWQ -------------------------------------------------------------------------------------------
+AWQ_PACK_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ's: nibble i of a word holds output column AWQ_PACK_ORDER[i]
+
+
+def _awq_pack_columns(values: torch.Tensor) -> torch.Tensor:
+    """int4 values ``[R, C]`` -> int32 ``[R, C/8]``: columns 8c .. 8c+7 in word c, interleaved."""
+    v = values.to(torch.int64).view(values.shape[0], -1, 8)
+    return _int32(sum(v[:, :, AWQ_PACK_ORDER[i]] << (4 * i) for i in range(8)))
+
+
+def write_awq_checkpoint(src: Path, group: int, **config) -> tuple[Path, dict]:
+    """``src`` quantized to AWQ's "gemm" layout (asymmetric, round to nearest: AWQ's activation-aware
+    scaling changes the weights, not the layout), and the dequantized weights it stands for."""
+    dequantized = {}
+
+    def layer(name, w):
+        q, zero, scale, dequantized[name] = _round_to_nearest(w, group, sym=False)
+        return {"qweight": _awq_pack_columns(q), "qzeros": _awq_pack_columns(zero), "scales": scale}
+    folder = _write(src, "cf-awq-", layer, {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
+                                           "version": "gemm", "modules_to_not_convert": None, **config})
+    return folder, dequantized
+
+
+def test_awq_checkpoint_matches_dequantized_reference():
+    src = tiny.checkpoint("llama_mha_untied")
+    folder, dequantized = write_awq_checkpoint(src, 32)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    assert repr(model._quantization) == "AWQ int4 checkpoint, group 32"
+    torch.testing.assert_close(_logits(model), _reference_logits(src, dequantized), atol=1e-4, rtol=1e-4)
+
+
+def test_awq_keeps_the_lm_head_float_whatever_its_config_lists():
+    # AWQ configs of multimodal models list their vision tower; the lm_head stays as stored all the same.
+    folder, _ = write_awq_checkpoint(tiny.checkpoint("llama_mha_untied"), 32, modules_to_not_convert=["visual"])
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    assert not isinstance(model.lm_head, QuantLinear)
+    assert isinstance(model.model.layers[0].mlp.down_proj, QuantLinear)
+
+
+@pytest.mark.parametrize("change, message", [({"version": "gemv"}, "version='gemv'"), ({"bits": 8}, "bits=8"),
+                                             ({"zero_point": False}, "zero_point=False")])
+def test_awq_layouts_that_do_not_load_are_refused(change, message):
+    with pytest.raises(UnsupportedError, match=message):
+        AutoModelForCausalLM.from_pretrained(tiny.checkpoint("llama"), quantization_config={
+            "quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm", **change})
+
+
+def test_a_layer_missing_some_of_its_tensors_is_an_error():
+    folder, _ = write_awq_checkpoint(tiny.checkpoint("llama_mha_untied"), 32)
+    tensors = load_file(folder / "model.safetensors")
+    del tensors["model.layers.1.mlp.down_proj.qzeros"]
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"lacks \['qzeros'\]"):
+        AutoModelForCausalLM.from_pretrained(folder)
+
+
+# -- both ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["gptq_sym", "gptq_asym", "awq"])
+def test_imported_checkpoints_save_as_int4_and_load_back(kind, tmp_path):
+    src = tiny.checkpoint("llama_mha_untied")
+    folder, _ = write_awq_checkpoint(src, 32) if kind == "awq" else write_gptq_checkpoint(src, 32, kind == "gptq_sym")
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    # The repacked tensors are cudaformers' int4 layout: saved as such, lm_head still not converted.
+    assert (saved["quant_method"], saved["group_size"], saved["sym"]) == ("int4", 32, kind == "gptq_sym")
+    assert saved["modules_to_not_convert"] == ["lm_head"]
+    again = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert torch.equal(_logits(again), _logits(model))
