@@ -76,9 +76,10 @@ def test_streamed_quantized_on_load(folder, monkeypatch):
     _same(_load(folder, True, monkeypatch, **kw), _load(folder, False, monkeypatch, **kw))
 
 
-def test_streamed_gptq_checkpoint(monkeypatch):
-    # GPTQ layers keep their tensors until all of a layer's have arrived; tiny chunks reuse buffers.
-    folder, qc = _gptq_folder()
+@pytest.mark.parametrize("kind", ["gptq", "awq"])
+def test_streamed_gptq_and_awq_checkpoints(monkeypatch, kind):
+    # GPTQ and AWQ layers keep their tensors until all of a layer's have arrived; tiny chunks reuse buffers.
+    folder, qc = _gptq_folder(kind)
     monkeypatch.setattr(streaming, "CHUNK_BYTES", 1024)
     monkeypatch.setattr(streaming, "DEVICE_BUFFERS", 1)
     new = _load(folder, True, monkeypatch, dtype=torch.float16, quantization_config=qc)
