@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import tiny
-from cudaformers import AutoModelForCausalLM, Int8Config
+from cudaformers import AutoModelForCausalLM, FP8Config, Int8Config
 from cudaformers.errors import CheckpointError
 from cudaformers.loading import pretrained, streaming
 from cudaformers.loading.streaming import read_header, stream_safetensors
@@ -208,11 +208,16 @@ def _gptq_folder(kind: str = "gptq"):
     return folder, json.loads((folder / "config.json").read_text())["quantization_config"]
 
 
-@pytest.mark.parametrize("kind", ["int8", "gptq", "awq"])
+@pytest.mark.parametrize("kind", ["int8", "gptq", "awq", "fp8_blocks"])
 def test_loaders_keep_what_they_are_given(monkeypatch, kind):
-    # GPTQ and AWQ layers hold qweight/qzeros/scales until all have arrived: with a staging buffer
-    # reused in between, a view would be overwritten.
-    folder, qc = _gptq_folder(kind) if kind != "int8" else (tiny.checkpoint("llama_bias"), Int8Config())
+    # GPTQ and AWQ layers hold qweight/qzeros/scales until all have arrived, and a block-scaled fp8
+    # weight waits for its multipliers: with a staging buffer reused in between, a view would be overwritten.
+    if kind == "fp8_blocks":
+        from tests.test_quant_fp8_blocks import write_fp8_block_checkpoint
+
+        folder, qc = write_fp8_block_checkpoint(tiny.checkpoint("llama_mha_untied"))[0], FP8Config(dequantize=True)
+    else:
+        folder, qc = _gptq_folder(kind) if kind != "int8" else (tiny.checkpoint("llama_bias"), Int8Config())
     in_place = _params(AutoModelForCausalLM.from_pretrained(folder, quantization_config=qc))
     monkeypatch.setattr(pretrained, "_stream_target", lambda params: torch.device("cpu"))
     monkeypatch.setattr(streaming, "CHUNK_BYTES", 1024)

@@ -79,10 +79,22 @@ def load_pretrained(path_or_repo_id, *, model_class=None, dtype="auto", torch_dt
             model = cls(config)
     finally:
         torch.set_default_dtype(previous)
+    fp8_blocks = None  # a block-scaled fp8 checkpoint's weight_block_size: its weights load through floats
     if quantization_config is not None:
         from ..quant.apply import prepare_model_for_quantization
+        from ..quant.config import quantization_config_from, with_checkpoint_blocks
 
-        prepare_model_for_quantization(model, quantization_config)
+        quantization_config = with_checkpoint_blocks(quantization_config_from(quantization_config),
+                                                     getattr(config, "quantization_config", None))
+        fp8_blocks = getattr(quantization_config, "weight_block_size", None)
+        if getattr(quantization_config, "dequantize", False):
+            if not fp8_blocks:
+                raise UnsupportedError("FP8Config(dequantize=True) loads a block-scaled fp8 checkpoint (one with "
+                                       "weight_block_size in its config.json) in the model's dtype; this checkpoint "
+                                       "is not one. Load it without quantization_config, or with FP8Config()")
+            config.__dict__.pop("quantization_config", None)  # the model holds floats: nothing quantized to record
+        else:
+            prepare_model_for_quantization(model, quantization_config)
     if tp_plan is not None and device_map is None:
         from ..distributed.init import local_device
 
@@ -92,7 +104,7 @@ def load_pretrained(path_or_repo_id, *, model_class=None, dtype="auto", torch_dt
     _check_dtype_on_devices(dtype, placement)
     _materialize(model, placement)
     tensors = _gguf_tensors(folder / gguf_file, dtype) if gguf_file else SafetensorsCheckpoint(checkpoint_files(folder))
-    _load_tensors(model, tensors)
+    _load_tensors(model, tensors, fp8_blocks)
     model.tie_weights()
     from ..kernels.fused_projections import fuse_projections
 
@@ -152,17 +164,22 @@ def _stream_target(params) -> torch.device | None:
     return next(iter(devices))
 
 
-def _load_tensors(model, tensors) -> None:
+def _load_tensors(model, tensors, fp8_blocks=None) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     modules = dict(model.named_modules())
     target = _stream_target(params) if isinstance(tensors, SafetensorsCheckpoint) else None
-    source = tensors.stream(target) if target is not None else iter(tensors)
+    read = tensors.stream(target) if target is not None else iter(tensors)
+    source = read
+    if fp8_blocks:
+        from ..quant.fp8_blocks import dequantized_stream
+
+        source = dequantized_stream(read, tuple(fp8_blocks))
     start = time.perf_counter()
     try:
         nbytes = _assign(model, params, modules, source, streamed=target is not None)
     finally:
-        if hasattr(source, "close"):
-            source.close()  # a streamed source stops its reader threads, also when loading fails
+        if hasattr(read, "close"):
+            read.close()  # a streamed source stops its reader threads, also when loading fails
     for dev in {p.device for p in params.values() if p.device.type == "cuda"}:
         torch.cuda.synchronize(dev)
     if target is not None and target.type == "cuda":

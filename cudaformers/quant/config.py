@@ -10,7 +10,7 @@ are weight-only int8 (per channel), group-wise int4 and e4m3 fp8. A config saved
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 
 import torch
 
@@ -194,10 +194,17 @@ def _as_int4(config: Int4Config) -> Int4Config:
 @dataclass(repr=False)
 class FP8Config(QuantizationConfig):
     """e4m3 weights with per-channel scales; activations quantized per token at run time; matmuls on
-    fp8 tensor cores (compute capability 8.9+)."""
+    fp8 tensor cores (compute capability 8.9+).
+
+    ``weight_block_size`` (read from a block-scaled fp8 checkpoint's config.json, e.g. ``[128, 128]``):
+    the files hold e4m3 weights with one multiplier a block (``quant/fp8_blocks.py``); they are
+    quantized again per channel as they load, or with ``dequantize=True`` kept in the model's dtype,
+    which runs on any device."""
 
     quant_method = "fp8"
     activation_scheme: str = "dynamic"
+    weight_block_size: list[int] | None = None
+    dequantize: bool = False
 
     method = property(lambda self: "fp8")
 
@@ -205,9 +212,36 @@ class FP8Config(QuantizationConfig):
         if self.activation_scheme != "dynamic":
             raise UnsupportedError(f"FP8Config(activation_scheme={self.activation_scheme!r}): only 'dynamic' "
                                    "(per-token scales computed at run time) is supported")
+        if self.weight_block_size is not None:
+            block = list(self.weight_block_size)
+            if len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
+                raise UnsupportedError(f"FP8Config(weight_block_size={self.weight_block_size!r}): give two positive "
+                                       "ints, rows and columns of a block (e.g. [128, 128])")
+            self.weight_block_size = block
+
+    @property
+    def skip_modules(self) -> tuple[str, ...]:
+        return _imported_skip(self) if self.weight_block_size else super().skip_modules
+
+    def saved(self) -> "FP8Config":
+        # Re-quantized per channel as the blocks load: what the model holds (dequantize=True holds floats
+        # and records no quantization at all).
+        return FP8Config(modules_to_not_convert=self.modules_to_not_convert) if self.weight_block_size else self
 
     def describe(self) -> str:
-        return "fp8 e4m3 weights (per-channel) and activations (per-token), torch._scaled_mm"
+        read = f", read from fp8 blocks of {self.weight_block_size[0]} x {self.weight_block_size[1]}" \
+            if self.weight_block_size else ""
+        return f"fp8 e4m3 weights (per-channel) and activations (per-token), torch._scaled_mm{read}"
+
+
+def with_checkpoint_blocks(config: QuantizationConfig, stored) -> QuantizationConfig:
+    """A user's ``FP8Config`` for a block-scaled fp8 checkpoint (``stored``: its config.json's
+    ``quantization_config``) takes the checkpoint's block size: the files say how they are laid out."""
+    if isinstance(config, FP8Config) and config.weight_block_size is None and stored:
+        stored = stored if isinstance(stored, dict) else stored.to_dict()
+        if stored.get("weight_block_size"):
+            return replace(config, weight_block_size=list(stored["weight_block_size"]))
+    return config
 
 
 @dataclass(repr=False)
@@ -276,9 +310,8 @@ def quantization_config_from(value) -> QuantizationConfig:
     cls = _BY_METHOD.get(method)
     if cls is None:
         raise UnsupportedError(f"quant_method={method!r} is not supported; cudaformers loads {sorted(_BY_METHOD)}")
-    if method == "fp8" and data.get("weight_block_size"):
-        raise UnsupportedError("block-wise fp8 checkpoints (weight_block_size) are not supported; load the "
-                               "bf16 checkpoint with FP8Config() to quantize per channel instead")
+    if method == "fp8" and str(data.get("fmt", "e4m3")).lower() != "e4m3":
+        raise UnsupportedError(f"fp8 checkpoints in {data['fmt']!r}: only e4m3 weights load")
     if method == "gptq":
         data["checkpoint_format"] = data.get("checkpoint_format") or "gptq"
     known = {f.name for f in fields(cls)}

@@ -52,7 +52,9 @@ class FP8Linear(QuantLinear):
         if why:
             raise UnsupportedError(f"fp8 quantization (FP8Config) runs on fp8 tensor cores: an NVIDIA GPU of compute "
                                    f"capability 8.9+ (L4, L40, H100, H200, B200); {why}. Use Int8Config or "
-                                   "Int4Config there (they run on any CUDA GPU, and on CPU through PyTorch)")
+                                   "Int4Config there (they run on any CUDA GPU, and on CPU through PyTorch); a "
+                                   "checkpoint stored in fp8 blocks (weight_block_size) also loads with "
+                                   "FP8Config(dequantize=True), in the model's dtype")
         if self.in_features % 16 or self.out_features % 16:
             raise UnsupportedError(f"fp8 matmuls need in/out features divisible by 16, this Linear is "
                                    f"{self.in_features} -> {self.out_features}; exclude it with "

@@ -1,6 +1,7 @@
 """Quantization on a real GPU: the compiled Triton kernels against the reference at model sizes, the
 fp8 path, quantized models end to end (CUDA-graph decode included) and a QLoRA step in bf16."""
 
+import json
 import tempfile
 
 import pytest
@@ -181,6 +182,27 @@ def test_quantized_model_on_gpu_matches_cpu_reference_path(name):
     gen = gpu.generate(ids[:1].cuda(), max_new_tokens=8, do_sample=False)
     eager = gpu.generate(ids[:1].cuda(), max_new_tokens=8, do_sample=False, use_cuda_graph=False)
     assert torch.equal(gen, eager)
+
+
+def test_block_fp8_checkpoint_runs_on_the_fp8_kernels(tmp_path):
+    from tests.test_quant_fp8_blocks import write_fp8_block_checkpoint
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.fail("fp8 needs compute capability 8.9+; run this file on an Ada/Hopper/Blackwell GPU")
+    folder, _ = write_fp8_block_checkpoint(tiny.checkpoint("llama_mha_untied"))
+    ids = torch.randint(3, 200, (2, 13), generator=torch.Generator().manual_seed(0))
+    gpu = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, device_map="cuda")  # re-quantized
+    assert any(isinstance(m, FP8Linear) for m in gpu.modules())
+    floats = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                  quantization_config=FP8Config(dequantize=True))
+    with torch.no_grad():
+        out, ref = gpu(ids.cuda()).logits.float().cpu(), floats(ids).logits
+    assert ((out - ref).abs().max() / ref.abs().max()).item() < 0.1
+    gpu.save_pretrained(tmp_path)  # per-channel fp8 now
+    assert "weight_block_size" not in json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    again = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16, device_map="cuda")
+    with torch.no_grad():
+        assert torch.equal(again(ids.cuda()).logits.float().cpu(), out)
 
 
 def test_qlora_step_bf16():
