@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from cudaformers import AutoModelForCausalLM, FP8Config
+from cudaformers import AutoModelForCausalLM, FP8Config, Int4Config
 from cudaformers.errors import CheckpointError, UnsupportedError
 from cudaformers.quant.fp8_blocks import dequantize_blocks
 from cudaformers.quant.linear import QuantLinear
@@ -86,6 +86,18 @@ def test_dequantized_load_matches_the_weights_the_blocks_stand_for(checkpoint, t
     assert "quantization_config" not in json.loads((tmp_path / "config.json").read_text())
     with torch.no_grad():
         assert torch.equal(AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)(IDS).logits, got)
+
+
+def test_other_methods_quantize_the_weights_the_blocks_stand_for(checkpoint, tmp_path):
+    folder, _ = checkpoint
+    floats = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                  quantization_config=FP8Config(dequantize=True))
+    floats.save_pretrained(tmp_path)
+    direct = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, quantization_config=Int4Config(group_size=32))
+    via_floats = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32,
+                                                      quantization_config=Int4Config(group_size=32))
+    with torch.no_grad():
+        assert torch.equal(direct(IDS).logits, via_floats(IDS).logits)
 
 
 def test_fp8_kernels_where_there_are_none_say_what_loads(checkpoint):

@@ -82,11 +82,12 @@ def load_pretrained(path_or_repo_id, *, model_class=None, dtype="auto", torch_dt
     fp8_blocks = None  # a block-scaled fp8 checkpoint's weight_block_size: its weights load through floats
     if quantization_config is not None:
         from ..quant.apply import prepare_model_for_quantization
-        from ..quant.config import quantization_config_from, with_checkpoint_blocks
+        from ..quant.config import fp8_block_size, quantization_config_from, with_checkpoint_blocks
 
-        quantization_config = with_checkpoint_blocks(quantization_config_from(quantization_config),
-                                                     getattr(config, "quantization_config", None))
-        fp8_blocks = getattr(quantization_config, "weight_block_size", None)
+        stored = getattr(config, "quantization_config", None)
+        quantization_config = with_checkpoint_blocks(quantization_config_from(quantization_config), stored)
+        # Any method can quantize the floats the blocks stand for (e.g. Int4Config of an fp8 release).
+        fp8_blocks = fp8_block_size(stored) or getattr(quantization_config, "weight_block_size", None)
         if getattr(quantization_config, "dequantize", False):
             if not fp8_blocks:
                 raise UnsupportedError("FP8Config(dequantize=True) loads a block-scaled fp8 checkpoint (one with "

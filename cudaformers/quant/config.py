@@ -234,13 +234,23 @@ class FP8Config(QuantizationConfig):
         return f"fp8 e4m3 weights (per-channel) and activations (per-token), torch._scaled_mm{read}"
 
 
+def fp8_block_size(stored) -> list[int] | None:
+    """The ``weight_block_size`` of a block-scaled fp8 checkpoint, from its config.json's
+    ``quantization_config`` (``stored``: a dict, a config or None); None for any other checkpoint."""
+    if stored is None:
+        return None
+    stored = stored if isinstance(stored, dict) else stored.to_dict()
+    if getattr(stored.get("quant_method"), "value", stored.get("quant_method")) != "fp8":
+        return None
+    return list(stored["weight_block_size"]) if stored.get("weight_block_size") else None
+
+
 def with_checkpoint_blocks(config: QuantizationConfig, stored) -> QuantizationConfig:
     """A user's ``FP8Config`` for a block-scaled fp8 checkpoint (``stored``: its config.json's
     ``quantization_config``) takes the checkpoint's block size: the files say how they are laid out."""
-    if isinstance(config, FP8Config) and config.weight_block_size is None and stored:
-        stored = stored if isinstance(stored, dict) else stored.to_dict()
-        if stored.get("weight_block_size"):
-            return replace(config, weight_block_size=list(stored["weight_block_size"]))
+    block = fp8_block_size(stored)
+    if isinstance(config, FP8Config) and config.weight_block_size is None and block:
+        return replace(config, weight_block_size=block)
     return config
 
 
