@@ -108,21 +108,41 @@ class Int4Config(QuantizationConfig):
 
 
 @dataclass(repr=False)
-class GPTQConfig(Int4Config):
-    """A pre-quantized GPTQ checkpoint (read from its config.json); repacked to int4 as it loads."""
+class _ImportedInt4(Int4Config):
+    """A pre-quantized 4-bit checkpoint (read from its config.json), repacked to int4 as it loads:
+    what GPTQ and AWQ share."""
 
-    quant_method = "gptq"
+    format_name = ""
     bits: int = 4
+
+    def __post_init__(self):
+        if self.group_size == -1:
+            raise UnsupportedError(f"{self.format_name} group_size=-1 (one group per row) is not supported; use a "
+                                   "grouped checkpoint (group_size 32/64/128)")
+        super().__post_init__()
+        if self.bits != 4:
+            raise UnsupportedError(f"{self.format_name} bits={self.bits}: only 4-bit {self.format_name} checkpoints "
+                                   "load")
+
+    @property
+    def skip_modules(self) -> tuple[str, ...]:
+        return _imported_skip(self)
+
+    def saved(self) -> Int4Config:
+        return Int4Config(modules_to_not_convert=list(self.skip_modules), group_size=self.group_size, sym=self.sym,
+                          compute_dtype=self.compute_dtype)
+
+
+@dataclass(repr=False)
+class GPTQConfig(_ImportedInt4):
+    """A pre-quantized GPTQ checkpoint; repacked to int4 as it loads."""
+
+    quant_method, format_name = "gptq", "GPTQ"
     desc_act: bool = False
     checkpoint_format: str = "gptq"
 
     def __post_init__(self):
-        if self.group_size == -1:
-            raise UnsupportedError("GPTQ group_size=-1 (one group per row) is not supported; use a grouped "
-                                   "checkpoint (group_size 32/64/128)")
         super().__post_init__()
-        if self.bits != 4:
-            raise UnsupportedError(f"GPTQ bits={self.bits}: only 4-bit GPTQ checkpoints load")
         if self.desc_act:
             raise UnsupportedError("GPTQ desc_act=True (act-order) checkpoints are not supported; use one "
                                    "quantized with desc_act=False")
@@ -130,35 +150,22 @@ class GPTQConfig(Int4Config):
             raise UnsupportedError(f"GPTQ checkpoint_format={self.checkpoint_format!r} is not supported; 'gptq' and "
                                    "'gptq_v2' checkpoints load")
 
-    @property
-    def skip_modules(self) -> tuple[str, ...]:
-        return _imported_skip(self)
-
     def describe(self) -> str:
         return f"GPTQ int4 checkpoint, group {self.group_size}, {'symmetric' if self.sym else 'asymmetric'}"
 
-    def saved(self) -> Int4Config:
-        return _as_int4(self)
-
 
 @dataclass(repr=False)
-class AwqConfig(Int4Config):
-    """A pre-quantized AWQ checkpoint (AutoAWQ's "gemm" layout, read from its config.json); repacked to
-    int4 as it loads. AWQ stores a zero point per group, so it loads as asymmetric int4."""
+class AwqConfig(_ImportedInt4):
+    """A pre-quantized AWQ checkpoint (AutoAWQ's "gemm" layout); repacked to int4 as it loads. AWQ
+    stores a zero point per group, so it loads as asymmetric int4."""
 
-    quant_method = "awq"
-    bits: int = 4
+    quant_method, format_name = "awq", "AWQ"
     zero_point: bool = True
     version: str = "gemm"
     sym: bool = False
 
     def __post_init__(self):
-        if self.group_size == -1:
-            raise UnsupportedError("AWQ group_size=-1 (one group per row) is not supported; use a grouped "
-                                   "checkpoint (group_size 32/64/128)")
         super().__post_init__()
-        if self.bits != 4:
-            raise UnsupportedError(f"AWQ bits={self.bits}: only 4-bit AWQ checkpoints load")
         if str(self.version).lower() != "gemm":
             raise UnsupportedError(f"AWQ version={self.version!r}: only the 'gemm' layout (AutoAWQ's default, packed "
                                    "along the output features) loads; use a 'gemm' checkpoint or the bf16 original "
@@ -168,15 +175,8 @@ class AwqConfig(Int4Config):
                                    "zero_point=True (AutoAWQ's default)")
         self.sym = False
 
-    @property
-    def skip_modules(self) -> tuple[str, ...]:
-        return _imported_skip(self)
-
     def describe(self) -> str:
         return f"AWQ int4 checkpoint, group {self.group_size}"
-
-    def saved(self) -> Int4Config:
-        return _as_int4(self)
 
 
 def _imported_skip(config: QuantizationConfig) -> tuple[str, ...]:
@@ -184,11 +184,6 @@ def _imported_skip(config: QuantizationConfig) -> tuple[str, ...]:
     reads GPTQ and AWQ checkpoints so too)."""
     listed = tuple(config.modules_to_not_convert or ())
     return DEFAULT_SKIP + tuple(m for m in listed if m not in DEFAULT_SKIP)
-
-
-def _as_int4(config: Int4Config) -> Int4Config:
-    return Int4Config(modules_to_not_convert=list(config.skip_modules), group_size=config.group_size,
-                      sym=config.sym, compute_dtype=config.compute_dtype)
 
 
 @dataclass(repr=False)
