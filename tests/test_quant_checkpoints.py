@@ -98,6 +98,15 @@ def test_gptq_checkpoint_matches_dequantized_reference(sym):
     torch.testing.assert_close(_logits(model), _reference_logits(src, dequantized), atol=1e-4, rtol=1e-4)
 
 
+def test_gptq_checkpoint_without_g_idx_loads_the_same(tmp_path):
+    folder, _ = write_gptq_checkpoint(tiny.checkpoint("llama_mha_untied"), 32, False)
+    tensors = {k: v for k, v in load_file(folder / "model.safetensors").items() if not k.endswith(".g_idx")}
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text((folder / "config.json").read_text())
+    assert torch.equal(_logits(AutoModelForCausalLM.from_pretrained(tmp_path)),
+                       _logits(AutoModelForCausalLM.from_pretrained(folder)))
+
+
 def test_gptq_act_order_and_other_formats_are_refused():
     with pytest.raises(UnsupportedError, match="desc_act"):
         AutoModelForCausalLM.from_pretrained(tiny.checkpoint("llama"), quantization_config={
