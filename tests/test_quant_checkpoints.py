@@ -4,13 +4,14 @@ trips through save_pretrained, and the errors a user can meet."""
 
 import json
 import tempfile
+import zlib
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from cudaformers import AutoModelForCausalLM
+from cudaformers import AutoModelForCausalLM, Int4Config
 from cudaformers.errors import CheckpointError, UnsupportedError
 from cudaformers.quant.linear import QuantLinear
 from tests import tiny
@@ -75,17 +76,34 @@ def _gptq_pack_rows(values: torch.Tensor) -> torch.Tensor:
     return _int32(sum(v[:, j] << (4 * j) for j in range(8)))
 
 
-def write_gptq_checkpoint(src: Path, group: int, sym: bool) -> tuple[Path, dict]:
+def _input_of(name: str, shared: bool) -> str:
+    """Which input a projection reads: q/k/v share one, gate/up another (act-order GPTQ orders the
+    features by the same Hessian for them); with ``shared`` off every projection gets its own."""
+    layer, proj = name.split(".")[2], name.split(".")[-2]
+    kind = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "gate_proj": "mlp", "up_proj": "mlp"}
+    return f"{layer}.{kind.get(proj, proj) if shared else proj}"
+
+
+def write_gptq_checkpoint(src: Path, group: int, sym: bool, act_order: bool = False,
+                          shared_orders: bool = True) -> tuple[Path, dict]:
     """Quantize every decoder Linear of ``src`` the GPTQ way (round to nearest) and write the GPTQ
-    checkpoint layout; returns the folder and the dequantized weights it stands for."""
+    checkpoint layout; returns the folder and the dequantized weights it stands for. ``act_order``:
+    the features quantized in a random order per input, codes stored in their own places and each
+    feature's group in g_idx, as GPTQ's desc_act writes them."""
     dequantized = {}
 
     def layer(name, w):
-        q, zero, scale, dequantized[name] = _round_to_nearest(w, group, sym)
+        n, k = w.shape
+        seed = zlib.crc32(_input_of(name, shared_orders).encode())
+        perm = torch.randperm(k, generator=torch.Generator().manual_seed(seed)) if act_order else torch.arange(k)
+        q_perm, zero, scale, deq_perm = _round_to_nearest(w[:, perm], group, sym)
+        q, g_idx, deq = torch.empty_like(q_perm), torch.empty(k, dtype=torch.int32), torch.empty_like(deq_perm)
+        q[perm], g_idx[perm], deq[:, perm] = q_perm, (torch.arange(k) // group).to(torch.int32), deq_perm
+        dequantized[name] = deq
         return {"qweight": _gptq_pack_rows(q), "qzeros": _gptq_pack_rows((zero - 1).t()).t(),  # stored minus one
-                "scales": scale, "g_idx": (torch.arange(w.shape[1]) // group).to(torch.int32)}
+                "scales": scale, "g_idx": g_idx}
     folder = _write(src, "cf-gptq-", layer, {"quant_method": "gptq", "bits": 4, "group_size": group, "sym": sym,
-                                            "desc_act": False, "damp_percent": 0.01, "true_sequential": True})
+                                            "desc_act": act_order, "damp_percent": 0.01, "true_sequential": True})
     return folder, dequantized
 
 
@@ -107,10 +125,61 @@ def test_gptq_checkpoint_without_g_idx_loads_the_same(tmp_path):
                        _logits(AutoModelForCausalLM.from_pretrained(folder)))
 
 
-def test_gptq_act_order_and_other_formats_are_refused():
-    with pytest.raises(UnsupportedError, match="desc_act"):
-        AutoModelForCausalLM.from_pretrained(tiny.checkpoint("llama"), quantization_config={
-            "quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": True})
+@pytest.mark.parametrize("shared", [True, False], ids=["shared_orders", "own_orders"])
+def test_gptq_act_order_checkpoint_matches_dequantized_reference(shared, tmp_path):
+    from cudaformers.quant.packing import PackedQuantLinear
+
+    src = tiny.checkpoint("llama_mha_untied")
+    folder, dequantized = write_gptq_checkpoint(src, 32, False, act_order=True, shared_orders=shared)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    assert repr(model._quantization).endswith("act-order")
+    expected = _reference_logits(src, dequantized)
+    torch.testing.assert_close(_logits(model), expected, atol=1e-4, rtol=1e-4)
+    # q/k/v read x once where their orders agree; the separate projections give the same numbers.
+    assert isinstance(getattr(model.model.layers[0].self_attn, "packed_qkv", None), PackedQuantLinear) == shared
+    down = model.model.layers[1].mlp.down_proj
+    torch.testing.assert_close(down.dequantize(torch.float32), dequantized["model.layers.1.mlp.down_proj.weight"])
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert (saved["quant_method"], saved["act_order"]) == ("int4", True)
+    assert torch.equal(_logits(AutoModelForCausalLM.from_pretrained(tmp_path)), _logits(model))
+
+
+def test_gptq_act_order_gradients_reach_x_in_the_features_own_order():
+    src = tiny.checkpoint("llama_mha_untied")
+    folder, dequantized = write_gptq_checkpoint(src, 32, False, act_order=True)
+    layer = AutoModelForCausalLM.from_pretrained(folder).model.layers[0].mlp.down_proj
+    x = torch.randn(3, layer.in_features, requires_grad=True)
+    layer(x).square().sum().backward()
+    w = dequantized["model.layers.0.mlp.down_proj.weight"]
+    x2 = x.detach().clone().requires_grad_()
+    (x2 @ w.t()).square().sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad, atol=1e-4, rtol=1e-4)
+
+
+def test_gptq_act_order_layer_requantizes_in_its_own_order():
+    # What merging an adapter into the layer does: quantize_(dequantize() + delta).
+    folder, _ = write_gptq_checkpoint(tiny.checkpoint("llama_mha_untied"), 32, False, act_order=True)
+    layer = AutoModelForCausalLM.from_pretrained(folder).model.layers[0].mlp.down_proj
+    w = layer.dequantize(torch.float32)
+    layer.quantize_(w)
+    assert (layer.dequantize(torch.float32) - w).norm() / w.norm() < 0.05
+
+
+def test_act_order_int4_from_float_weights_is_refused():
+    with pytest.raises(CheckpointError, match="act_order"):
+        AutoModelForCausalLM.from_pretrained(tiny.checkpoint("llama"), quantization_config=Int4Config(
+            group_size=32, act_order=True))
+
+
+def test_gptq_g_idx_out_of_order_without_desc_act_and_other_formats_are_refused(tmp_path):
+    folder, _ = write_gptq_checkpoint(tiny.checkpoint("llama_mha_untied"), 32, False, act_order=True)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"]["desc_act"] = False
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").symlink_to(folder / "model.safetensors")
+    with pytest.raises(CheckpointError, match="desc_act to true"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
     with pytest.raises(UnsupportedError, match="checkpoint_format='marlin'"):
         AutoModelForCausalLM.from_pretrained(tiny.checkpoint("llama"), quantization_config={
             "quant_method": "gptq", "bits": 4, "group_size": 32, "checkpoint_format": "marlin"})

@@ -162,7 +162,7 @@ def _gated_quant(mlp, x):
     layer = packed.layer
     if packed.sizes[0] * 2 != layer.out_features or x.dtype != layer.compute_dtype or x.numel() != layer.in_features:
         return None
-    x2, w = x.reshape(1, -1), layer.packed()
+    x2, w = layer.ordered_input(x.reshape(1, -1)), layer.packed()
     if w.fmt not in gated or not quant_gemv_mma.supports(x2, w):
         return None
     h = quant_gemv_mma.quant_gemv_mma(x2, w, layer.bias, act=mlp.act_fn.name)

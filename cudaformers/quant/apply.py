@@ -24,11 +24,12 @@ def _factory(config: QuantizationConfig):
     method = config.method
     if config.quant_method in ("gptq", "awq"):
         fmt = "awq" if config.quant_method == "awq" else "gptq_v2" if config.checkpoint_format == "gptq_v2" else "gptq"
-        return lambda i, o, b, dt: Int4Linear(i, o, b, dt, config.group_size, config.sym, checkpoint_format=fmt)
+        return lambda i, o, b, dt: Int4Linear(i, o, b, dt, config.group_size, config.sym, checkpoint_format=fmt,
+                                              act_order=config.act_order)
     if method == "int8":
         return lambda i, o, b, dt: Int8Linear(i, o, b, dt)
     if method == "int4":
-        return lambda i, o, b, dt: Int4Linear(i, o, b, dt, config.group_size, config.sym)
+        return lambda i, o, b, dt: Int4Linear(i, o, b, dt, config.group_size, config.sym, act_order=config.act_order)
     if method in ("nf4", "fp4"):
         return lambda i, o, b, dt: NF4Linear(i, o, b, dt, method, config.bnb_4bit_use_double_quant)
     if method == "fp8":

@@ -89,12 +89,15 @@ class Int8Config(QuantizationConfig):
 @dataclass(repr=False)
 class Int4Config(QuantizationConfig):
     """int4 weights in groups of ``group_size`` input features, one fp16 scale (and zero point when
-    ``sym=False``) per group."""
+    ``sym=False``) per group. ``act_order``: each layer's input features are stored in its own order
+    (``input_order``), as GPTQ's act-order checkpoints group them; set by those and by what is saved
+    from them, not for quantizing float weights."""
 
     quant_method = "int4"
     group_size: int = 128
     sym: bool = True
     compute_dtype: torch.dtype | str | None = None
+    act_order: bool = False
 
     method = property(lambda self: "int4")
 
@@ -104,7 +107,8 @@ class Int4Config(QuantizationConfig):
                                    "(128 is the usual choice)")
 
     def describe(self) -> str:
-        return f"int4 weight-only, group {self.group_size}, {'symmetric' if self.sym else 'asymmetric'}"
+        order = ", features in act-order" if self.act_order else ""
+        return f"int4 weight-only, group {self.group_size}, {'symmetric' if self.sym else 'asymmetric'}{order}"
 
 
 @dataclass(repr=False)
@@ -130,7 +134,7 @@ class _ImportedInt4(Int4Config):
 
     def saved(self) -> Int4Config:
         return Int4Config(modules_to_not_convert=list(self.skip_modules), group_size=self.group_size, sym=self.sym,
-                          compute_dtype=self.compute_dtype)
+                          compute_dtype=self.compute_dtype, act_order=self.act_order)
 
 
 @dataclass(repr=False)
@@ -143,15 +147,14 @@ class GPTQConfig(_ImportedInt4):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.desc_act:
-            raise UnsupportedError("GPTQ desc_act=True (act-order) checkpoints are not supported; use one "
-                                   "quantized with desc_act=False")
+        self.act_order = bool(self.desc_act)  # features in g_idx's groups, not in order
         if self.checkpoint_format not in ("gptq", "gptq_v2"):
             raise UnsupportedError(f"GPTQ checkpoint_format={self.checkpoint_format!r} is not supported; 'gptq' and "
                                    "'gptq_v2' checkpoints load")
 
     def describe(self) -> str:
-        return f"GPTQ int4 checkpoint, group {self.group_size}, {'symmetric' if self.sym else 'asymmetric'}"
+        order = ", act-order" if self.act_order else ""
+        return f"GPTQ int4 checkpoint, group {self.group_size}, {'symmetric' if self.sym else 'asymmetric'}{order}"
 
 
 @dataclass(repr=False)

@@ -40,9 +40,12 @@ def quantize_int4(weight: torch.Tensor, group: int, sym: bool = True):
 class Int4Linear(QuantLinear):
     method = "int4"
 
+    # Not stacked when projections pack (quant/packing.py): one per input, shared by the packed rows.
+    per_input = ("input_order",)
+
     def __init__(self, in_features, out_features, bias, compute_dtype, group_size: int = 128, sym: bool = True,
-                 checkpoint_format: str | None = None):
-        self.group_size, self.sym = group_size, sym
+                 checkpoint_format: str | None = None, act_order: bool = False):
+        self.group_size, self.sym, self.act_order = group_size, sym, act_order
         # A pre-quantized checkpoint (a key of int4_checkpoints.REQUIRED): its tensors arrive one by one
         # and are kept until the layer's last one is here.
         self._format, self._pending = checkpoint_format, {}
@@ -54,9 +57,13 @@ class Int4Linear(QuantLinear):
                   "scales": ((self.out_features, kp // g), torch.float16)}
         if not self.sym:
             shapes["zeros"] = ((self.out_features, kp // g), torch.float16)
+        if self.act_order:  # the stored features' places in x: x[:, input_order] meets the codes' columns
+            shapes["input_order"] = ((self.in_features,), torch.int64)
         return shapes
 
     def quantize_(self, weight):
+        if self.act_order:  # re-quantizing (a merged adapter): the columns in the stored order
+            weight = weight[:, self.input_order]
         q, s, z = by_rows(quantize_int4, weight, self.group_size, self.sym)
         self.weight.copy_(q)
         self.scales.copy_(s)
@@ -67,26 +74,54 @@ class Int4Linear(QuantLinear):
         return PackedWeight("int4", self.weight, self.scales, self.in_features, self.group_size,
                             zeros=None if self.sym else self.zeros)
 
+    def ordered_input(self, x: torch.Tensor) -> torch.Tensor:
+        return x.index_select(-1, self.input_order) if self.act_order else x
+
+    def matmul(self, x, bias=None):
+        return super().matmul(self.ordered_input(x), bias)
+
+    def dequantize(self, dtype=None):
+        w = super().dequantize(dtype)
+        if not self.act_order:
+            return w
+        out = torch.empty_like(w)
+        out[:, self.input_order] = w  # back to the features' own order
+        return out
+
+    def _required(self) -> tuple[str, ...]:
+        extra = ("g_idx",) if self.act_order else ()  # act-order: g_idx says where each feature went
+        return int4_checkpoints.REQUIRED[self._format] + extra
+
     @torch.no_grad()
     def load_checkpoint_tensor(self, attr, tensor):
+        if self.act_order and attr == "weight" and tensor.is_floating_point():
+            raise CheckpointError("an act-order int4 layer (act_order=True) loads from a GPTQ act-order checkpoint or "
+                                  "one saved from it; a float weight has no such order: use Int4Config() without "
+                                  "act_order to quantize it")
         if self._format is None or attr == "bias":
             return super().load_checkpoint_tensor(attr, tensor)
-        required, optional = int4_checkpoints.REQUIRED[self._format], int4_checkpoints.OPTIONAL[self._format]
+        required, optional = self._required(), int4_checkpoints.OPTIONAL[self._format]
         if attr not in required + optional:
             raise CheckpointError(f"unexpected tensor {attr!r} in a {self._format.upper()} checkpoint layer (expected "
-                                  f"{', '.join(required + optional)}, bias)")
-        if attr == "g_idx":
+                                  f"{', '.join(dict.fromkeys(required + optional))}, bias)")
+        if attr == "g_idx" and not self.act_order:
             return int4_checkpoints.check_g_idx(tensor, self.in_features, self.group_size)
         self._pending[attr] = tensor.to(self.weight.device)
         if set(required) <= set(self._pending):
-            self._write_imported(*int4_checkpoints.unpack(self._format, self.in_features, self.out_features,
-                                                           self.group_size, **self._pending))
+            g_idx = self._pending.pop("g_idx", None)
+            codes, zeros, scales = int4_checkpoints.unpack(self._format, self.in_features, self.out_features,
+                                                          self.group_size, **self._pending)
+            if self.act_order:
+                order = int4_checkpoints.group_order(g_idx, self.in_features, self.group_size)
+                self.input_order.copy_(order)
+                codes = codes[:, order]
+            self._write_imported(codes, zeros, scales)
             self._pending = {}
 
     def finish_checkpoint(self) -> None:
         """Called once the checkpoint is read: a layer that got only some of its tensors is an error."""
         if self._pending:
-            missing = sorted(set(int4_checkpoints.REQUIRED[self._format]) - set(self._pending))
+            missing = sorted(set(self._required()) - set(self._pending))
             raise CheckpointError(f"a {self._format.upper()} checkpoint layer ({self.in_features} -> "
                                   f"{self.out_features}) lacks {missing}; the files are incomplete")
 

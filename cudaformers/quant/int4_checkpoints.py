@@ -11,14 +11,16 @@ Both public formats store ``w = (q - z) * s`` per group of ``G`` input features,
   (``AWQ_ORDER``), which its CUDA kernels unpack cheaply.
 
 ``unpack`` turns either into codes ``[N, K]``, zero points and scales ``[N, K/G]``: what ``Int4Linear``
-packs for its kernels.
+packs for its kernels. Act-order GPTQ quantized the features in its own order and stores in g_idx
+which group each belongs to; the layer keeps them sorted by group (``group_order``) and reads x in
+that order.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..errors import CheckpointError, UnsupportedError
+from ..errors import CheckpointError
 
 # The tensors of one layer: the ones the layer needs, and the optional ones it checks.
 REQUIRED = {"gptq": ("qweight", "qzeros", "scales"), "gptq_v2": ("qweight", "qzeros", "scales"),
@@ -73,7 +75,19 @@ def unpack(fmt: str, k: int, n: int, group: int, qweight: torch.Tensor, qzeros: 
 
 
 def check_g_idx(g_idx: torch.Tensor, k: int, group: int) -> None:
-    """GPTQ's g_idx must be the plain one (feature i in group i // G): act-order checkpoints are refused."""
+    """Without act-order, GPTQ's g_idx must be the plain one (feature i in group i // G)."""
     if not torch.equal(g_idx.long().cpu(), torch.arange(k) // group):
-        raise UnsupportedError("this GPTQ checkpoint was quantized with desc_act=True (act-order g_idx); "
-                               "only desc_act=False checkpoints load; re-quantize with desc_act=False")
+        raise CheckpointError("this GPTQ checkpoint's g_idx is not in order (an act-order checkpoint) but its "
+                              "quantization_config says desc_act=false; set desc_act to true in its config.json")
+
+
+def group_order(g_idx: torch.Tensor, k: int, group: int) -> torch.Tensor:
+    """Act-order GPTQ (desc_act): the input features sorted by their group, ``[K]`` int64, such that
+    features ``order[gG .. gG + G - 1]`` make group g (each group has G members, the last one the rest)."""
+    if tuple(g_idx.shape) != (k,):
+        raise CheckpointError(f"GPTQ g_idx of shape {tuple(g_idx.shape)} for a layer of {k} input features")
+    order = torch.argsort(g_idx.long(), stable=True)
+    if not torch.equal(g_idx.long()[order].cpu(), torch.arange(k) // group):
+        raise CheckpointError(f"GPTQ g_idx does not give every group {group} input features; the checkpoint's "
+                              "group_size does not match its g_idx")
+    return order

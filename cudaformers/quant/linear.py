@@ -57,6 +57,9 @@ class QuantLinear(nn.Module):
     method = ""  # "int8", "int4", "nf4", "fp4", "fp8"
     # The packing a quantized checkpoint was saved with (set from its config); fp8 has only one layout.
     checkpoint_packing: str | None = PACKING
+    # Packed tensors indexed by input feature rather than by output row (shared, not stacked, when
+    # projections pack: quant/packing.py).
+    per_input: tuple[str, ...] = ()
 
     def __init__(self, in_features: int, out_features: int, bias: bool, compute_dtype: torch.dtype):
         super().__init__()
@@ -79,6 +82,10 @@ class QuantLinear(nn.Module):
 
     def check_device(self, device: torch.device) -> None:
         """Raise if this method cannot run on ``device`` (fp8 needs sm_89+)."""
+
+    def ordered_input(self, x: torch.Tensor) -> torch.Tensor:
+        """x as the kernels read it (int4 act-order: its features in the stored order)."""
+        return x
 
     # -- shared ------------------------------------------------------------------------------------
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -9,7 +9,8 @@ and adapters see nothing new, and the packed path runs only while those views ar
 inference, without gradients.
 
 Not packed: layers of different types or settings, double-quantized NF4/FP4 (each layer has its own
-absmax offset and second-level blocks that need not align), and layers still on the meta device.
+absmax offset and second-level blocks that need not align), act-order int4 layers whose feature orders
+differ, and layers still on the meta device.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ logger = logging.getLogger("cudaformers")
 
 def _settings(layer: QuantLinear) -> tuple:
     return (type(layer), layer.method, layer.in_features, layer.compute_dtype, getattr(layer, "group_size", None),
-            getattr(layer, "sym", None), getattr(layer, "double_quant", False), layer.bias is None,
-            layer.weight.device)
+            getattr(layer, "sym", None), getattr(layer, "double_quant", False), getattr(layer, "act_order", False),
+            layer.bias is None, layer.weight.device)
 
 
 def stackable(layers: list[nn.Module]) -> bool:
@@ -37,7 +38,10 @@ def stackable(layers: list[nn.Module]) -> bool:
     first = layers[0]
     if getattr(first, "double_quant", False) or first.weight.device.type == "meta":
         return False
-    return len({_settings(m) for m in layers}) == 1
+    # Tensors of the input (int4 act-order's feature order) must be the same for all: x is read once.
+    same_inputs = all(torch.equal(getattr(m, name), getattr(first, name)) for m in layers[1:]
+                      for name in first.per_input if name in first.packed_shapes())
+    return len({_settings(m) for m in layers}) == 1 and same_inputs
 
 
 class PackedQuantLinear(nn.Module):
@@ -70,7 +74,8 @@ def pack_quantized(layers: list[QuantLinear]) -> PackedQuantLinear:
     stacked._parameters = dict(stacked._parameters)
     sizes = [m.out_features for m in layers]
     stacked.out_features = sum(sizes)
-    names = [n for n in layers[0].packed_shapes()] + (["bias"] if layers[0].bias is not None else [])
+    names = [n for n in layers[0].packed_shapes() if n not in layers[0].per_input]  # per-input: the first's
+    names += ["bias"] if layers[0].bias is not None else []
     for name in names:
         whole = torch.cat([getattr(m, name).detach() for m in layers])
         stacked._parameters[name] = nn.Parameter(whole, requires_grad=False)
