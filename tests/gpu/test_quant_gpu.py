@@ -184,6 +184,21 @@ def test_quantized_model_on_gpu_matches_cpu_reference_path(name):
     assert torch.equal(gen, eager)
 
 
+@pytest.mark.parametrize("kind", ["gptq_act_order", "awq"])
+def test_imported_int4_checkpoint_on_gpu_matches_cpu_reference_path(kind):
+    from tests.test_quant_checkpoints import write_awq_checkpoint, write_gptq_checkpoint
+
+    src = tiny.checkpoint("llama_mha_untied")
+    folder, _ = write_awq_checkpoint(src, 32) if kind == "awq" else write_gptq_checkpoint(src, 32, False, True)
+    ids = torch.randint(3, 200, (2, 13), generator=torch.Generator().manual_seed(0))
+    gpu = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, device_map="cuda")
+    cpu = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(gpu(ids.cuda()).logits.cpu(), cpu(ids).logits, atol=2e-4, rtol=2e-4)
+    gen = gpu.generate(ids[:1].cuda(), max_new_tokens=8, do_sample=False)
+    assert torch.equal(gen, gpu.generate(ids[:1].cuda(), max_new_tokens=8, do_sample=False, use_cuda_graph=False))
+
+
 def test_block_fp8_checkpoint_runs_on_the_fp8_kernels(tmp_path):
     from tests.test_quant_fp8_blocks import write_fp8_block_checkpoint
 
