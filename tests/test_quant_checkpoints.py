@@ -212,7 +212,7 @@ def test_awq_checkpoint_matches_dequantized_reference():
     src = tiny.checkpoint("llama_mha_untied")
     folder, dequantized = write_awq_checkpoint(src, 32)
     model = AutoModelForCausalLM.from_pretrained(folder)
-    assert repr(model._quantization) == "AWQ int4 checkpoint, group 32"
+    assert repr(model._quantization) == "AWQ int4 checkpoint, group 32, asymmetric"
     torch.testing.assert_close(_logits(model), _reference_logits(src, dequantized), atol=1e-4, rtol=1e-4)
 
 

@@ -106,9 +106,11 @@ class Int4Config(QuantizationConfig):
             raise UnsupportedError(f"Int4Config(group_size={self.group_size}): use a power of two >= 16 "
                                    "(128 is the usual choice)")
 
+    label = "int4 weight-only"  # what describe() calls it
+
     def describe(self) -> str:
-        order = ", features in act-order" if self.act_order else ""
-        return f"int4 weight-only, group {self.group_size}, {'symmetric' if self.sym else 'asymmetric'}{order}"
+        order = ", act-order" if self.act_order else ""
+        return f"{self.label}, group {self.group_size}, {'symmetric' if self.sym else 'asymmetric'}{order}"
 
 
 @dataclass(repr=False)
@@ -141,7 +143,7 @@ class _ImportedInt4(Int4Config):
 class GPTQConfig(_ImportedInt4):
     """A pre-quantized GPTQ checkpoint; repacked to int4 as it loads."""
 
-    quant_method, format_name = "gptq", "GPTQ"
+    quant_method, format_name, label = "gptq", "GPTQ", "GPTQ int4 checkpoint"
     desc_act: bool = False
     checkpoint_format: str = "gptq"
 
@@ -152,17 +154,13 @@ class GPTQConfig(_ImportedInt4):
             raise UnsupportedError(f"GPTQ checkpoint_format={self.checkpoint_format!r} is not supported; 'gptq' and "
                                    "'gptq_v2' checkpoints load")
 
-    def describe(self) -> str:
-        order = ", act-order" if self.act_order else ""
-        return f"GPTQ int4 checkpoint, group {self.group_size}, {'symmetric' if self.sym else 'asymmetric'}{order}"
-
 
 @dataclass(repr=False)
 class AwqConfig(_ImportedInt4):
     """A pre-quantized AWQ checkpoint (AutoAWQ's "gemm" layout); repacked to int4 as it loads. AWQ
     stores a zero point per group, so it loads as asymmetric int4."""
 
-    quant_method, format_name = "awq", "AWQ"
+    quant_method, format_name, label = "awq", "AWQ", "AWQ int4 checkpoint"
     zero_point: bool = True
     version: str = "gemm"
     sym: bool = False
@@ -177,9 +175,6 @@ class AwqConfig(_ImportedInt4):
             raise UnsupportedError("AWQ zero_point=False checkpoints are not supported; use one quantized with "
                                    "zero_point=True (AutoAWQ's default)")
         self.sym = False
-
-    def describe(self) -> str:
-        return f"AWQ int4 checkpoint, group {self.group_size}"
 
 
 def _imported_skip(config: QuantizationConfig) -> tuple[str, ...]:
