@@ -167,9 +167,13 @@ def test_gptq_act_order_layer_requantizes_in_its_own_order():
 
 
 def test_act_order_int4_from_float_weights_is_refused():
+    from cudaformers.quant.apply import quantize
+
     with pytest.raises(CheckpointError, match="act_order"):
         AutoModelForCausalLM.from_pretrained(tiny.checkpoint("llama"), quantization_config=Int4Config(
             group_size=32, act_order=True))
+    with pytest.raises(UnsupportedError, match="act_order"):
+        quantize(AutoModelForCausalLM.from_pretrained(tiny.checkpoint("llama")), Int4Config(act_order=True))
 
 
 def test_gptq_g_idx_out_of_order_without_desc_act_and_other_formats_are_refused(tmp_path):

@@ -51,6 +51,9 @@ def prepare_model_for_quantization(model: nn.Module, quantization_config) -> Qua
     if getattr(model, "_quantization", None) is not None:
         raise UnsupportedError("this model is already quantized; load it again to quantize with other settings")
     make = _factory(config)
+    if getattr(config, "act_order", False) and any(p.device.type != "meta" for p in model.parameters()):
+        raise UnsupportedError("act_order int4 layers come from GPTQ act-order checkpoints (their g_idx orders the "
+                               "features); float weights have no such order: quantize with Int4Config() instead")
     targets = [(name, m) for name, m in model.named_modules()
                if type(m) is nn.Linear and not _skipped(name, config.skip_modules)]
     if not targets:
