@@ -113,6 +113,7 @@ def apply_tp(model: nn.Module, mesh, plan: dict[str, str] | None = None) -> nn.M
 
     from ..kernels.fused_projections import unpack_projections
 
+    _check_not_quantized(model)
     unpack_projections(model)  # sharding replaces the parameters; the packed copy would stay whole
     if mesh.mesh_dim_names and "tp" in mesh.mesh_dim_names and mesh.ndim > 1:
         mesh = mesh["tp"]
@@ -144,6 +145,17 @@ def apply_tp(model: nn.Module, mesh, plan: dict[str, str] | None = None) -> nn.M
     return model
 
 
+def _check_not_quantized(model: nn.Module) -> None:
+    # DTensor shards nn.Linear weights; packed quantized tensors (codes, per-group scales) are not split here.
+    from ..quant.linear import QuantLinear
+
+    if any(isinstance(m, QuantLinear) for m in model.modules()):
+        raise UnsupportedError("tensor parallelism (tp_plan) of a quantized model is not supported: its packed "
+                               "weights are not split. Load without quantization_config to split the bf16 model, or "
+                               "keep the quantized model whole on one GPU (device_map='cuda') or across GPUs by "
+                               "layers (device_map='auto')")
+
+
 def is_dtensor(t: torch.Tensor) -> bool:
     from torch.distributed.tensor import DTensor
 
@@ -164,6 +176,7 @@ def apply_tp_plan(model: nn.Module, tp_plan="auto") -> nn.Module:
 
     if tp_plan != "auto" and not isinstance(tp_plan, dict):
         raise UnsupportedError(f"tp_plan={tp_plan!r}; use 'auto' or a dict of module path -> 'colwise'/'rowwise'")
+    _check_not_quantized(model)
     state = init_distributed()
     if state.world_size == 1:
         logger.warning("tp_plan=%r in a single process: nothing to split; launch with "
