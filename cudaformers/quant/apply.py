@@ -23,7 +23,7 @@ logger = logging.getLogger("cudaformers")
 def _factory(config: QuantizationConfig):
     method = config.method
     if config.quant_method in ("gptq", "awq"):
-        fmt = "awq" if config.quant_method == "awq" else "gptq_v2" if config.checkpoint_format == "gptq_v2" else "gptq"
+        fmt = "awq" if config.quant_method == "awq" else config.checkpoint_format  # int4_checkpoints.FORMATS
         return lambda i, o, b, dt: Int4Linear(i, o, b, dt, config.group_size, config.sym, checkpoint_format=fmt,
                                               act_order=config.act_order)
     if method == "int8":

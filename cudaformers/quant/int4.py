@@ -46,7 +46,7 @@ class Int4Linear(QuantLinear):
     def __init__(self, in_features, out_features, bias, compute_dtype, group_size: int = 128, sym: bool = True,
                  checkpoint_format: str | None = None, act_order: bool = False):
         self.group_size, self.sym, self.act_order = group_size, sym, act_order
-        # A pre-quantized checkpoint (a key of int4_checkpoints.REQUIRED): its tensors arrive one by one
+        # A pre-quantized checkpoint (one of int4_checkpoints.FORMATS): its tensors arrive one by one
         # and are kept until the layer's last one is here.
         self._format, self._pending = checkpoint_format, {}
         super().__init__(in_features, out_features, bias, compute_dtype)
@@ -89,8 +89,8 @@ class Int4Linear(QuantLinear):
         return out
 
     def _required(self) -> tuple[str, ...]:
-        extra = ("g_idx",) if self.act_order else ()  # act-order: g_idx says where each feature went
-        return int4_checkpoints.REQUIRED[self._format] + extra
+        extra = (int4_checkpoints.G_IDX,) if self.act_order else ()  # act-order: g_idx says where each feature went
+        return int4_checkpoints.REQUIRED + extra
 
     @torch.no_grad()
     def load_checkpoint_tensor(self, attr, tensor):
@@ -100,14 +100,14 @@ class Int4Linear(QuantLinear):
                                   "act_order to quantize it")
         if self._format is None or attr == "bias":
             return super().load_checkpoint_tensor(attr, tensor)
-        required, optional = self._required(), int4_checkpoints.OPTIONAL[self._format]
-        if attr not in required + optional:
+        known = int4_checkpoints.REQUIRED + ((int4_checkpoints.G_IDX,) if self._format != "awq" else ())
+        if attr not in known:
             raise CheckpointError(f"unexpected tensor {attr!r} in a {self._format.upper()} checkpoint layer (expected "
-                                  f"{', '.join(dict.fromkeys(required + optional))}, bias)")
+                                  f"{', '.join(known)}, bias)")
         if attr == "g_idx" and not self.act_order:
             return int4_checkpoints.check_g_idx(tensor, self.in_features, self.group_size)
         self._pending[attr] = tensor.to(self.weight.device)
-        if set(required) <= set(self._pending):
+        if set(self._required()) <= set(self._pending):
             g_idx = self._pending.pop("g_idx", None)
             codes, zeros, scales = int4_checkpoints.unpack(self._format, self.in_features, self.out_features,
                                                           self.group_size, **self._pending)

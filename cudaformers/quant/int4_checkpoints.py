@@ -22,10 +22,10 @@ import torch
 
 from ..errors import CheckpointError
 
-# The tensors of one layer: the ones the layer needs, and the optional ones it checks.
-REQUIRED = {"gptq": ("qweight", "qzeros", "scales"), "gptq_v2": ("qweight", "qzeros", "scales"),
-            "awq": ("qweight", "qzeros", "scales")}
-OPTIONAL = {"gptq": ("g_idx",), "gptq_v2": ("g_idx",), "awq": ()}
+FORMATS = ("gptq", "gptq_v2", "awq")
+# The tensors of one layer in every format, and the one GPTQ may add (needed for act-order, else checked).
+REQUIRED = ("qweight", "qzeros", "scales")
+G_IDX = "g_idx"
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds output column AWQ_ORDER[i] of its 8
 
 
@@ -57,7 +57,7 @@ def _check_shapes(fmt: str, got: dict, want: dict, k: int, n: int, group: int) -
 
 def unpack(fmt: str, k: int, n: int, group: int, qweight: torch.Tensor, qzeros: torch.Tensor,
            scales: torch.Tensor):
-    """One layer's checkpoint tensors in format ``fmt`` (a key of ``REQUIRED``) -> (codes ``[N, K]`` int,
+    """One layer's checkpoint tensors in format ``fmt`` (one of ``FORMATS``) -> (codes ``[N, K]`` int,
     zero points ``[N, G]`` float, scales ``[N, G]`` fp16) of ``w = (codes - zeros) * scales``."""
     groups = -(-k // group)
     if fmt == "awq":

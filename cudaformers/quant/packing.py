@@ -38,10 +38,11 @@ def stackable(layers: list[nn.Module]) -> bool:
     first = layers[0]
     if getattr(first, "double_quant", False) or first.weight.device.type == "meta":
         return False
+    if len({_settings(m) for m in layers}) != 1:
+        return False
     # Tensors of the input (int4 act-order's feature order) must be the same for all: x is read once.
-    same_inputs = all(torch.equal(getattr(m, name), getattr(first, name)) for m in layers[1:]
-                      for name in first.per_input if name in first.packed_shapes())
-    return len({_settings(m) for m in layers}) == 1 and same_inputs
+    return all(torch.equal(getattr(m, name), getattr(first, name)) for m in layers[1:]
+               for name in first.per_input if name in first.packed_shapes())
 
 
 class PackedQuantLinear(nn.Module):
