@@ -121,3 +121,14 @@ def test_block_checkpoint_errors(checkpoint, tmp_path):
     with pytest.raises(UnsupportedError, match="e5m2"):
         AutoModelForCausalLM.from_pretrained(tiny.checkpoint("llama"), quantization_config={
             "quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]})
+
+
+def test_block_fp8_config_saves_as_per_channel_fp8():
+    # The loaded weights are per-channel e4m3: a saved model must not claim blocks it no longer has,
+    # or loading it back would pair the weights with scales that do not exist.
+    read = FP8Config(weight_block_size=[128, 128], modules_to_not_convert=["lm_head", "model.layers.0.mlp"])
+    saved = read.saved().to_dict()
+    assert saved["quant_method"] == "fp8" and saved["weight_block_size"] is None
+    assert saved["modules_to_not_convert"] == ["lm_head", "model.layers.0.mlp"]
+    plain = FP8Config()
+    assert plain.saved() is plain
