@@ -132,14 +132,20 @@ def run_infer_tp(args) -> dict:
     ids = torch.randint(0, vocab, (1, PROMPT), generator=torch.Generator().manual_seed(0))
     # Both runs use sdpa and plain layers: the same math, so any difference is the split's rounding.
     device = "cpu" if cpu else f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+    quant = {}
+    if args.quant:  # the packed int4/int8 weights split by hand (distributed/tp_quant.py)
+        from cudaformers import Int4Config, Int8Config
+
+        quant["quantization_config"] = Int8Config() if args.quant == "int8" else Int4Config(
+            group_size=16 if cpu else 128)
     single = None
     if rank() == 0:  # one process alone first: the tokens TP must reproduce
-        alone = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, device_map=device)
+        alone = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, device_map=device, **quant)
         single = _decode(alone, ids.to(alone.device))
         del alone
         if not cpu:
             torch.cuda.empty_cache()
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, device_map=device, tp_plan="auto")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, device_map=device, tp_plan="auto", **quant)
     tokens, tok_s = _decode(model, ids.to(model.device))
     del model  # its decode graphs hold collectives: gone before the process group is torn down
     if not cpu:
@@ -150,7 +156,8 @@ def run_infer_tp(args) -> dict:
         return {}
     same = int((tokens == single[0]).all(dim=1).sum()) == tokens.shape[0]
     first_diff = next((i for i, (a, b) in enumerate(zip(tokens[0].tolist(), single[0][0].tolist())) if a != b), None)
-    return dict(task="infer-tp", world=world(), shape=args.shape, tokens_equal=same, first_difference=first_diff,
+    return dict(task="infer-tp", world=world(), shape=args.shape, quant=args.quant or "none", tokens_equal=same,
+                first_difference=first_diff,
                 tp_tok_s=round(tok_s, 1), single_tok_s=round(single[1], 1))
 
 
@@ -195,7 +202,8 @@ def report(path: str) -> None:
               f"{r['peak_gib']:>9}")
     for r in rows:
         if r.get("task") == "infer-tp":
-            print(f"TP={r['world']} decode: tokens equal one GPU's: {r['tokens_equal']} (first difference at "
+            weights = f" ({r['quant']} weights)" if r.get("quant", "none") != "none" else ""
+            print(f"TP={r['world']} decode{weights}: tokens equal one GPU's: {r['tokens_equal']} (first difference at "
                   f"{r['first_difference']}); {r['tp_tok_s']} tok/s vs {r['single_tok_s']} on one GPU")
         if r.get("task") == "device-map":
             print(f"device_map='auto' over {r['gpus']} (order {r['order']}, visible {r['visible']}): weights on "
@@ -208,6 +216,7 @@ def main() -> int:
     ap.add_argument("--strategy", default="single", choices=("single", "ddp", "fsdp", "tp"))
     ap.add_argument("--shape", default=None, help="qwen3-0.6b for train, qwen3-8b for infer-tp (tiny: CPU)")
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--quant", default=None, choices=("int4", "int8"), help="infer-tp: quantized weights")
     ap.add_argument("--json", default=None, help="append the JSON record here (report: read it)")
     args = ap.parse_args()
     if args.task == "report":

@@ -28,16 +28,19 @@ def test_tiny_runs_match_one_process(tmp_path):
     for strategy in ("ddp", "fsdp", "tp"):
         _run(["train", "--strategy", strategy, "--shape", "tiny", "--steps", "4", "--json", out], tmp_path, procs=2)
     _run(["infer-tp", "--shape", "tiny", "--json", out], tmp_path, procs=2)
+    _run(["infer-tp", "--shape", "tiny", "--quant", "int4", "--json", out], tmp_path, procs=2)
     rows = [json.loads(line) for line in open(out)]
     train = {r["strategy"]: r for r in rows if r["task"] == "train"}
     assert set(train) == {"single", "ddp", "fsdp", "tp"} and all(train[s]["world"] == 2 for s in ("ddp", "fsdp", "tp"))
     for strategy in ("ddp", "fsdp", "tp"):  # the same loss curve as one process (fp32 on the CPU)
         for a, b in zip(train[strategy]["losses"], train["single"]["losses"], strict=True):
             assert abs(a - b) <= 1e-5 * abs(b), (strategy, train[strategy]["losses"], train["single"]["losses"])
-    infer = next(r for r in rows if r["task"] == "infer-tp")
-    assert infer["world"] == 2 and infer["tokens_equal"] is True
+    infer = {r["quant"]: r for r in rows if r["task"] == "infer-tp"}
+    assert set(infer) == {"none", "int4"}
+    assert all(r["world"] == 2 and r["tokens_equal"] is True for r in infer.values())
     report = _run(["report", "--json", out], tmp_path)
     assert "TP=2 decode: tokens equal one GPU's: True" in report and "ddp" in report
+    assert "TP=2 decode (int4 weights): tokens equal one GPU's: True" in report
 
 
 def test_a_strategy_outside_torchrun_says_how_to_launch(tmp_path):

@@ -181,8 +181,3 @@ def test_checkpoint_with_the_old_packing_is_refused(folder, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="earlier cudaformers"):
         AutoModelForCausalLM.from_pretrained(tmp_path)
-
-
-def test_tensor_parallel_quantized_model_is_refused(folder):
-    with pytest.raises(UnsupportedError, match="tensor parallelism.*quantized"):
-        AutoModelForCausalLM.from_pretrained(folder, quantization_config=Int8Config(), tp_plan="auto")

@@ -108,12 +108,14 @@ def _settled_output(module, args, output):
 
 def apply_tp(model: nn.Module, mesh, plan: dict[str, str] | None = None) -> nn.Module:
     """Split every decoder block of ``model`` across ``mesh`` (a 1-D DeviceMesh, or a mesh with a
-    ``"tp"`` dimension) in place, per ``plan`` (default: the family's plan)."""
+    ``"tp"`` dimension) in place, per ``plan`` (default: the family's plan). Float projections become
+    DTensor shards; quantized ones keep their share of the packed tensors (``tp_quant.py``)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from ..kernels.fused_projections import unpack_projections
+    from ..kernels.fused_projections import fuse_projections, unpack_projections
+    from ..quant.linear import QuantLinear
+    from .tp_quant import shard_quantized
 
-    _check_not_quantized(model)
     unpack_projections(model)  # sharding replaces the parameters; the packed copy would stay whole
     if mesh.mesh_dim_names and "tp" in mesh.mesh_dim_names and mesh.ndim > 1:
         mesh = mesh["tp"]
@@ -123,37 +125,50 @@ def apply_tp(model: nn.Module, mesh, plan: dict[str, str] | None = None) -> nn.M
     plan = plan or plan_for(model)
     _check_divisible(model, tp)
     styles = _styles(plan)
-    hooked = 0
-    for block in find_blocks(model):
+    hooked, quantized = 0, 0
+    for b, block in enumerate(find_blocks(model)):
         names = {n for n, _ in block.named_modules()}
         missing = [k for k in plan if k not in names]
         if missing:
             raise UnsupportedError(f"tp plan names {missing} which this model's blocks do not have "
                                    f"(fused projections?); give the model a matching `tp_plan`")
-        parallelize_module(block, mesh, styles)
-        for name in plan:
-            block.get_submodule(name).register_forward_hook(_settled_output)
+        layers = {name: block.get_submodule(name) for name in plan}
+        _check_splittable(layers, b)
+        dense = {name: styles[name] for name, m in layers.items() if not isinstance(m, QuantLinear)}
+        if dense:
+            parallelize_module(block, mesh, dense)
+        for name in dense:
+            layers[name].register_forward_hook(_settled_output)
+        for name, m in layers.items():
+            if isinstance(m, QuantLinear):
+                shard_quantized(m, plan[name], mesh.get_local_rank(), tp, mesh.get_group(), f"layers.{b}.{name}")
+                quantized += 1
         for name, module in block.named_modules():
             if name.split(".")[0] == "self_attn" and name.count(".") == 0:
                 for attr in _HEAD_ATTRS:
                     if isinstance(getattr(module, attr, None), int):
                         setattr(module, attr, getattr(module, attr) // tp)
         hooked += _reduce_partial_grads(block, plan, mesh.get_group())
+    if quantized:
+        from ..models import structure
+
+        structure.changed()  # packed tensors swapped in place, rowwise layers given their reducing forward
+        fuse_projections(model)  # each process's quantized q/k/v and gate/up shards, packed again
     model.tp_size = tp  # caches hold num_key_value_heads // tp_size heads per process
-    logger.info("tensor parallel: %d-way over %d blocks (%d replicated weights in sharded regions)",
-                tp, len(find_blocks(model)), hooked)
+    logger.info("tensor parallel: %d-way over %d blocks (%d quantized layers split, %d replicated weights in "
+                "sharded regions)", tp, len(find_blocks(model)), quantized, hooked)
     return model
 
 
-def _check_not_quantized(model: nn.Module) -> None:
-    # DTensor shards nn.Linear weights; packed quantized tensors (codes, per-group scales) are not split here.
+def _check_splittable(layers: dict[str, nn.Module], block: int) -> None:
     from ..quant.linear import QuantLinear
 
-    if any(isinstance(m, QuantLinear) for m in model.modules()):
-        raise UnsupportedError("tensor parallelism (tp_plan) of a quantized model is not supported: its packed "
-                               "weights are not split. Load without quantization_config to split the bf16 model, or "
-                               "keep the quantized model whole on one GPU (device_map='cuda') or across GPUs by "
-                               "layers (device_map='auto')")
+    for name, m in layers.items():
+        if type(m) is not nn.Linear and not isinstance(m, QuantLinear):
+            hint = (" (LoRA adapters: tensor parallelism does not split adapters; train them with DDP or FSDP, or "
+                    "merge_and_unload() first)" if hasattr(m, "base_layer") else "")
+            raise UnsupportedError(f"tensor parallelism splits nn.Linear and quantized Linear layers; layers.{block}."
+                                   f"{name} is a {type(m).__name__}{hint}")
 
 
 def is_dtensor(t: torch.Tensor) -> bool:
@@ -176,7 +191,6 @@ def apply_tp_plan(model: nn.Module, tp_plan="auto") -> nn.Module:
 
     if tp_plan != "auto" and not isinstance(tp_plan, dict):
         raise UnsupportedError(f"tp_plan={tp_plan!r}; use 'auto' or a dict of module path -> 'colwise'/'rowwise'")
-    _check_not_quantized(model)
     state = init_distributed()
     if state.world_size == 1:
         logger.warning("tp_plan=%r in a single process: nothing to split; launch with "

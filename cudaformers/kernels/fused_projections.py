@@ -45,7 +45,8 @@ def _pack(owner: nn.Module, linears: list[nn.Linear], name: str) -> bool:
     if stackable(linears):  # quantized projections: one stacked quantized matmul
         setattr(owner, name, pack_quantized(linears).train(owner.training))
         return True
-    if not all(type(m) is nn.Linear for m in linears):
+    # Plain weights only: a DTensor shard (tensor parallelism) is an nn.Parameter too, of its own type.
+    if not all(type(m) is nn.Linear and type(m.weight) in (nn.Parameter, torch.Tensor) for m in linears):
         return False
     weights = [m.weight for m in linears]
     if len({(w.device, w.dtype) for w in weights}) != 1 or weights[0].device.type == "meta":
