@@ -127,6 +127,8 @@ for part in "${parts[@]}"; do
                --json "$OUT/multi.jsonl"
            done
            run multi-infer-tp 300 torchrun --nproc_per_node="$n" bench/distributed.py infer-tp --json "$OUT/multi.jsonl"
+           run multi-infer-tp-int4 300 torchrun --nproc_per_node="$n" bench/distributed.py infer-tp --quant int4 \
+             --json "$OUT/multi.jsonl"
            run multi-device-map 200 python3 bench/distributed.py device-map --json "$OUT/multi.jsonl"
            [ "$n" -ge 2 ] && run multi-device-map-swapped 200 env CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=1,0 \
              python3 bench/distributed.py device-map --shape qwen3-0.6b --json "$OUT/multi.jsonl"
