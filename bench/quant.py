@@ -14,7 +14,8 @@ replaces. Decode methods may end in switches: ``_fma`` (the FMA GEMV instead of 
 none: gate/up's act-and-mul in the fragment GEMV; by default int4 only), ``_unmasked``
 (``quant_gemv_mma.UNMASKED_EVEN``), ``_wide`` / ``_nowide`` (``WIDE_LOADS``, on by default), ``_lat`` (the
 batch-1 paged decode's tiling before run 23: 32 KB K tiles), ``_plans`` (the fragment GEMV's plans per layer
-from ``--plans``, as ``bench/quant_gemv_mma.py --best`` writes them), e.g. ``int4_nogated_nowide``. decode: W1/W2 (generate, batch 1,
+from ``--plans``, as ``bench/quant_gemv_mma.py --best`` writes them), ``_actorder`` (int4 layers reading x in
+an act-order GPTQ checkpoint's feature order: the gather's cost), e.g. ``int4_nogated_nowide``. decode: W1/W2 (generate, batch 1,
 128-token prompt, 256 new tokens, greedy; triton attention and use_kernels=True for every method, bf16 too) per method
 on the same saved random weights, with peak memory. qlora: one NF4 + LoRA (r 16, all linear layers)
 training step on qwen3-8b shapes at batch 1 x 2048 with gradient checkpointing: peak memory (goal <= 12 GiB) and step time. Each case runs in its own
@@ -228,7 +229,29 @@ def bench_mma(methods, bw, env, json_path, tilings=None, ms=(1, 16)) -> list[dic
     return rows
 
 
-SWITCHES = ("fma", "dot", "gated", "nogated", "unmasked", "lat", "wide", "nowide", "plans")
+SWITCHES = ("fma", "dot", "gated", "nogated", "unmasked", "lat", "wide", "nowide", "plans", "actorder")
+
+
+def as_act_order(model) -> int:
+    """Every int4 layer made to read x through a feature order, as an act-order GPTQ checkpoint's layers
+    do: one random order per width, shared, so q/k/v and gate/up stay packed (GPTQ orders a layer's
+    projections by the same Hessian). The tokens change (x meets other codes); the work is what an
+    act-order model runs, the gather of x before each quantized matmul included."""
+    from cudaformers.models import structure
+    from cudaformers.quant.int4 import Int4Linear
+    from cudaformers.quant.packing import PackedQuantLinear
+
+    layers = [m for m in model.modules() if isinstance(m, Int4Linear)]
+    layers += [m.layer for m in model.modules() if isinstance(m, PackedQuantLinear)]
+    orders = {}
+    for layer in layers:
+        k = layer.in_features
+        if k not in orders:
+            orders[k] = torch.randperm(k, generator=torch.Generator().manual_seed(k)).to(layer.weight.device)
+        layer.act_order = True
+        layer._parameters["input_order"] = torch.nn.Parameter(orders[k], requires_grad=False)
+    structure.changed()
+    return len(layers)
 
 
 def method_switches(method: str) -> tuple[str, set[str]]:
@@ -275,6 +298,8 @@ def bench_decode(shape, methods, bw, env, json_path, plans_path=None) -> list[di
             model, load_s = timed(lambda: AutoModelForCausalLM.from_pretrained(
                 folder, dtype=torch.bfloat16, device_map="cuda", quantization_config=method_config(base_method),
                 attn_implementation="triton", use_kernels=True))  # every method in its fastest setting
+            if "actorder" in switches:
+                print(f"act-order: {as_act_order(model)} int4 layers read x through a feature order")
             weights = torch.cuda.memory_allocated()
             model.generate(ids, **kw)
             out, seconds = timed(lambda: model.generate(ids, **kw))
