@@ -75,7 +75,13 @@ class Int4Linear(QuantLinear):
                             zeros=None if self.sym else self.zeros)
 
     def ordered_input(self, x: torch.Tensor) -> torch.Tensor:
-        return x.index_select(-1, self.input_order) if self.act_order else x
+        if not self.act_order:
+            return x
+        if x.is_cuda:  # a link of the decode chain that keeps the GEMV after it starting early (PDL)
+            from ..kernels.feature_gather import gather_features
+
+            return gather_features(x, self.input_order)
+        return x.index_select(-1, self.input_order)
 
     def matmul(self, x, bias=None):
         return super().matmul(self.ordered_input(x), bias)
