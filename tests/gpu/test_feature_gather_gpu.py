@@ -31,9 +31,9 @@ def test_gather_in_a_graph_chain_reads_its_producer():
     k, n = 4096, 6144
     gen = torch.Generator(device="cuda").manual_seed(1)
     layer = Int4Linear(k, n, False, torch.bfloat16, act_order=True).cuda()
-    with torch.no_grad():
-        layer.quantize_(torch.randn(n, k, device="cuda", generator=gen))
+    with torch.no_grad():  # the order first: quantize_ reads the columns through it
         layer.input_order.copy_(torch.randperm(k, device="cuda", generator=gen))
+        layer.quantize_(torch.randn(n, k, device="cuda", generator=gen))
     gate, up = (torch.randn(1, k, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(2))
     with torch.no_grad():
         def step():
