@@ -63,7 +63,8 @@ def test_shards_are_exactly_slices_of_the_quantized_weight(name):
         tp_quant.shard_quantized(row, "rowwise", rank, 2, None)
         assert row.in_features == 128 and isinstance(row, type(whole))
         torch.testing.assert_close(row.dequantize(torch.float32), w[:, rank * 128:(rank + 1) * 128], rtol=0, atol=0)
-        partial += row.matmul(x[:, rank * 128:(rank + 1) * 128].to(row.compute_dtype)).float()
+        # this shard's partial product: the layer's own matmul, before the sum across processes
+        partial += type(whole).matmul(row, x[:, rank * 128:(rank + 1) * 128].to(row.compute_dtype)).float()
     torch.testing.assert_close(partial + whole.bias.float(), x @ w.T + whole.bias.float(), rtol=1e-4, atol=1e-3)
 
 

@@ -66,13 +66,13 @@ def _keep_rows(layer: QuantLinear, rank: int, tp: int, where: str) -> None:
     layer.out_features = rows
 
 
-def packing_block(layer: QuantLinear) -> int:
+def _packing_block(layer: QuantLinear) -> int:
     """Input features a packing block of ``layer`` holds (fp8 stores plain e4m3 bytes: any split)."""
     return 1 if layer.method == "fp8" else layer.packed().block
 
 
 def _keep_inputs(layer: QuantLinear, rank: int, tp: int, where: str) -> None:
-    k, block = layer.in_features, packing_block(layer)
+    k, block = layer.in_features, _packing_block(layer)
     if k % (tp * block):
         raise UnsupportedError(f"tensor parallelism: {where} splits by input features in whole blocks of {block} "
                                f"(its packing), and {k} features are not {tp} shards of whole blocks; pick a tp size "
@@ -96,7 +96,8 @@ def _undo_double_quant(layer: QuantLinear) -> None:
 
 class _RowwiseShard:
     """A quantized layer holding a slice of the input features: its partial outputs are summed across
-    the tensor-parallel group, then the bias is added, once."""
+    the tensor-parallel group, then the bias is added, once. In ``matmul``, which every path to the
+    layer's kernels goes through, so none can skip the sum."""
 
     tp_group = None
 
@@ -104,12 +105,12 @@ class _RowwiseShard:
         if torch.is_grad_enabled() and x.requires_grad:
             raise UnsupportedError("a tensor-parallel quantized model runs inference only; to fine-tune a quantized "
                                    "model use LoRA adapters (QLoRA) with DDP or FSDP instead of tp_size")
-        shape = x.shape
-        y = self.matmul(x.reshape(-1, self.in_features).to(self.compute_dtype))
+        return super().forward(x)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        y = super().matmul(x)
         dist.all_reduce(y, group=self.tp_group)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y.to(x.dtype).view(*shape[:-1], self.out_features)
+        return y if bias is None else y + bias
 
 
 @functools.cache
