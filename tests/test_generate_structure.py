@@ -110,3 +110,46 @@ def test_registrations_traced_by_torch_compile_neither_count_nor_recompile():
     forward(x)  # eager: the slice registers for real, and counts
     assert structure.epoch() > stamp
     torch._dynamo.reset()
+
+
+def test_runners_and_models_are_freed_without_the_garbage_collector():
+    """A runner holds the KV cache and graphs: one a new shape replaces, and a dropped model with its
+    runners, must go at once, not when the collector next runs (maybe inside a CUDA-graph capture)."""
+    import gc
+    import weakref
+
+    model = _model()
+    model.generate(torch.randint(3, 211, (1, 5)), **KW)
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        old = weakref.ref(_runner(model))
+        model.generate(torch.randint(3, 211, (3, 5)), **KW)  # another row count: another runner
+        assert old() is None and _runner(model) is not None
+        dropped = weakref.ref(model)
+        del model
+        assert dropped() is None
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def test_engine_is_freed_without_the_garbage_collector():
+    import gc
+    import weakref
+
+    from cudaformers.engine.llm_engine import LLMEngine
+
+    model = _model()
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        engine = LLMEngine(model, num_blocks=64, block_size=4)
+        dropped = weakref.ref(engine)
+        del engine
+        assert dropped() is None
+    finally:
+        if enabled:
+            gc.enable()

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 
 import numpy as np
 import torch
 
 from ..attention.metadata import AttentionBatch
+from ..cuda_graphs import capturing
 
 logger = logging.getLogger("cudaformers")
 
@@ -25,7 +27,7 @@ MAX_GRAPH_LEN = 16384  # longest context a captured step serves; longer ones run
 
 class DecodeGraphs:
     def __init__(self, runner):
-        self.runner = runner
+        self._runner = weakref.ref(runner)  # the runner owns these graphs: no cycle for the collector to free
         top = runner.max_num_seqs
         self.sizes = sorted({min(1 << i, top) for i in range(top.bit_length() + 1)})
         bs = runner.block_size
@@ -42,6 +44,10 @@ class DecodeGraphs:
         self.block_table = torch.full((n, self.width), runner.pad_block, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+
+    @property
+    def runner(self):
+        return self._runner()
 
     def _batch(self, b: int) -> AttentionBatch:
         return AttentionBatch(
@@ -61,7 +67,7 @@ class DecodeGraphs:
             self._forward(b)  # warm-up: lazy initialisation and kernel autotuning stay out of the graph
             torch.cuda.synchronize(self.runner.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with capturing(graph, pool=pool):
                 self.outputs[b] = self._forward(b)
             pool = graph.pool()
             self.graphs[b] = graph

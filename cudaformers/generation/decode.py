@@ -8,11 +8,13 @@ it (``loop``), so a token costs one replay.
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 
 from ..attention.kv_cache import KVCache
 from ..attention.metadata import AttentionBatch
+from ..cuda_graphs import capturing
 from ..device import triton_runs_on
 from ..layers.rotary import RotaryEmbedding
 from ..models import structure
@@ -62,7 +64,11 @@ class DecodeRunner:
 
     def __init__(self, model, rows: int, capacity: int, block_size: int, use_cuda_graph: bool):
         cfg, dev = model.config, model.device
-        self.model, self.rows, self.capacity = model, rows, capacity
+        # The model holds its runners (``get_runner``), so a strong reference back would make a cycle that
+        # only the garbage collector frees, at a time of its choosing, with the KV cache and graphs in it:
+        # ``runners.clear()`` would not release the old cache, nor ``del model`` the GPU memory.
+        self._model = weakref.ref(model)
+        self.rows, self.capacity = rows, capacity
         devices = [layer.self_attn.q_proj.weight.device for layer in model.model.layers]
         # The heads this process holds: tensor parallelism divides them (and k_proj's DTensor weight
         # would report the global shape).
@@ -82,6 +88,10 @@ class DecodeRunner:
         self.loops: dict[LoopKind, LoopState] = {}
         self.loop_graphs: dict[LoopKind, torch.cuda.CUDAGraph] = {}
         self.prompt = PromptPass(self, use_cuda_graph)  # runner.prompt(rows) -> first logits
+
+    @property
+    def model(self):
+        return self._model()
 
     def _step(self) -> torch.Tensor:
         # One launch where Triton runs (kernels/step_inputs.py): lengths, slots, key offsets, rotary rows.
@@ -105,7 +115,7 @@ class DecodeRunner:
                 body()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with capturing(graph):
             out = body()
         return graph, out
 

@@ -11,6 +11,7 @@ runs compute the same thing.
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 
 import torch
@@ -37,8 +38,12 @@ class PromptPass:
     """The prompt pass of a ``DecodeRunner``: logits of each row's last prompt token."""
 
     def __init__(self, runner, use_cuda_graph: bool):
-        self.runner, self.use_cuda_graph = runner, use_cuda_graph
+        self._runner, self.use_cuda_graph = weakref.ref(runner), use_cuda_graph  # the runner owns this pass
         self.graphs: OrderedDict[int, tuple] = OrderedDict()  # width -> (graph, its inputs and output)
+
+    @property
+    def runner(self):
+        return self._runner()
 
     def _slots(self, lens: list[int]) -> torch.Tensor:
         """Row r's tokens fill its own blocks from slot r * row_stride."""
