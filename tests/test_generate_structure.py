@@ -2,6 +2,10 @@
 model they were made for changes: a graph must not replay modules, kernels or a backend the model
 no longer has."""
 
+import contextlib
+import gc
+import weakref
+
 import torch
 from torch import nn
 
@@ -112,44 +116,38 @@ def test_registrations_traced_by_torch_compile_neither_count_nor_recompile():
     torch._dynamo.reset()
 
 
-def test_runners_and_models_are_freed_without_the_garbage_collector():
-    """A runner holds the KV cache and graphs: one a new shape replaces, and a dropped model with its
-    runners, must go at once, not when the collector next runs (maybe inside a CUDA-graph capture)."""
-    import gc
-    import weakref
 
-    model = _model()
-    model.generate(torch.randint(3, 211, (1, 5)), **KW)
+@contextlib.contextmanager
+def _collector_off():
+    """Only reference counting frees objects inside (what was already garbage is collected first)."""
     enabled = gc.isenabled()
     gc.collect()
     gc.disable()
     try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def test_runners_and_models_are_freed_without_the_garbage_collector():
+    """A runner holds the KV cache and graphs: one a new shape replaces, and a dropped model with its
+    runners, must go at once, not when the collector next runs (maybe inside a CUDA-graph capture)."""
+    model = _model()
+    model.generate(torch.randint(3, 211, (1, 5)), **KW)
+    with _collector_off():
         old = weakref.ref(_runner(model))
         model.generate(torch.randint(3, 211, (3, 5)), **KW)  # another row count: another runner
         assert old() is None and _runner(model) is not None
         dropped = weakref.ref(model)
         del model
         assert dropped() is None
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def test_engine_is_freed_without_the_garbage_collector():
-    import gc
-    import weakref
-
     from cudaformers.engine.llm_engine import LLMEngine
 
     model = _model()
-    enabled = gc.isenabled()
-    gc.collect()
-    gc.disable()
-    try:
-        engine = LLMEngine(model, num_blocks=64, block_size=4)
-        dropped = weakref.ref(engine)
-        del engine
+    with _collector_off():
+        dropped = weakref.ref(LLMEngine(model, num_blocks=64, block_size=4))
         assert dropped() is None
-    finally:
-        if enabled:
-            gc.enable()
