@@ -1,9 +1,8 @@
-"""A CUDA-graph capture collects dead cycles first and runs with the collector off (torch's own
-capture no longer collects, so an earlier graph could be destroyed in the middle of it)."""
+"""A CUDA-graph capture runs with the garbage collector off (torch's own capture no longer collects
+first, so an automatic collection could destroy an earlier graph in the middle of it)."""
 
 import contextlib
 import gc
-import weakref
 
 import pytest
 import torch
@@ -34,14 +33,32 @@ def fake_capture(monkeypatch):
         gc.disable()
 
 
-def test_dead_cycles_are_collected_before_the_capture(fake_capture):
-    gc.disable()  # no automatic collection: only capturing() can free the cycle below
-    dead = _Cycle()
-    ref = weakref.ref(dead)
-    del dead
-    assert ref() is not None  # a cycle: reference counting alone does not free it
-    with cuda_graphs.capturing("g", pool="p"):
-        assert ref() is None
+def test_no_collection_runs_inside_the_capture(fake_capture):
+    starts, watching = [], []
+
+    def record(phase, info):
+        if phase == "start" and watching:
+            starts.append(info["generation"])
+
+    def allocate_cycles():
+        watching.append(True)
+        junk = [_Cycle() for _ in range(200)]
+        watching.clear()
+        return junk
+
+    threshold = gc.get_threshold()
+    gc.callbacks.append(record)
+    gc.set_threshold(1)  # every allocation may start a collection
+    try:
+        allocate_cycles()
+        assert starts  # outside a capture the collector runs
+        starts.clear()
+        with cuda_graphs.capturing("g", pool="p"):
+            allocate_cycles()
+    finally:
+        gc.callbacks.remove(record)
+        gc.set_threshold(*threshold)
+    assert starts == []
     assert fake_capture == dict(enabled=False, pool="p", graph="g")
 
 
