@@ -9,7 +9,8 @@ the bf16 GEMV of the same layer for scale; gate/up gated for the formats that ru
 (``gated_formats``).
 Fragment variants are (warps, tiles a warp, blocks in flight) and a letter for how the blocks load
 (``quant_gemv_mma.LOADS``): none in registers, "s" staged through shared memory (``cp.async``), "w"
-their weights only, "p" in registers past a fence a block, "c" so on the coherent path.
+their weights only, "p" in registers past a fence a block, "c" so on the coherent path, "o" relaxed loads in
+order, no fence.
 ``--folds`` instead times gate/up with the act-and-mul in its epilogue against gate/up then the
 act-and-mul kernel, at the default plans.
 """
@@ -43,13 +44,14 @@ VARIANTS = ("8,1,1;16,1,1;4,2,1;8,2,1;8,1,2;16,1,2;4,2,2;8,2,2;8,1,3;16,1,3;4,2,
 def parse_variants(text: str) -> list[tuple]:
     """``"8,2,1;8,2,2,s;8,2,2,w"`` -> ``[(8, 2, 1), (8, 2, 2, 1), (8, 2, 2, 2)]``: a letter names how the
     blocks load (``quant_gemv_mma.LOADS``): ``s`` staged through shared memory, ``w`` their weights only
-    (x loaded in place), ``p`` in registers past a fence, ``c`` so on the coherent path."""
+    (x loaded in place), ``p`` in registers past a fence, ``c`` so on the coherent path, ``o`` relaxed loads
+    kept in order without a fence."""
     return [tuple(int(v) for v in item.split(",")[:3]) + LOAD_LETTERS.get(item.split(",")[-1], ())
             for item in text.split(";") if item]
 
 
-LOAD_LETTERS = {"s": (1,), "w": (2,), "p": (3,), "c": (4,)}
-LOAD_NAMES = {1: " staged", 2: " staged weights", 3: " pinned", 4: " pinned coherent"}
+LOAD_LETTERS = {"s": (1,), "w": (2,), "p": (3,), "c": (4,), "o": (5,)}
+LOAD_NAMES = {1: " staged", 2: " staged weights", 3: " pinned", 4: " pinned coherent", 5: " ordered"}
 
 
 def packed_copies(fmt: str, w32: torch.Tensor, copies: int | None = None):
@@ -75,7 +77,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--formats", default="int4,int8")
     ap.add_argument("--layers", default=LAYERS, help=f"qwen3-8b's layers to time, of {list(SHAPES)}")
-    ap.add_argument("--variants", default=VARIANTS, help="fragment plans: warps,tiles,depth[,s|w|p|c];...")
+    ap.add_argument("--variants", default=VARIANTS, help="fragment plans: warps,tiles,depth[,s|w|p|c|o];...")
     ap.add_argument("--unmasked", action="store_true", help="loads without masks where the blocks divide evenly")
     ap.add_argument("--nowide", action="store_true", help="the weights as 8-byte loads (WIDE_LOADS off)")
     ap.add_argument("--best", default=None, help="write the fastest variant per format and layer (JSON) here")

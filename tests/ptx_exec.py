@@ -151,7 +151,7 @@ def emulate_inline_asm(monkeypatch) -> None:
 
         addresses = values[0].data.reshape(-1)
         keep = values[1].data.reshape(-1) if len(values) > 1 else np.ones(addresses.size, dtype=bool)
-        assert "@p ld.global" in asm or len(values) == 1, "a predicated load takes its predicate operand"
+        assert "@p ld." in asm or len(values) == 1, "a predicated load takes its predicate operand"
         words = np.zeros((addresses.size, 2), dtype=np.int64)
         for i, (address, on) in enumerate(zip(addresses.tolist(), keep.tolist())):
             if on:
@@ -174,12 +174,28 @@ def emulate_inline_asm(monkeypatch) -> None:
                 words[i] = np.frombuffer(ctypes.string_at(address, 8), dtype=np.int64)[0]
         return _Call([interpreter.TensorHandle(words.reshape(values[0].data.shape), types[0].scalar)])
 
+    def load_halves(asm, values, types):
+        """The fragment GEMV's relaxed 2-byte scale loads (``quant_gemv_mma._HALF_R_IF``): 16 bits at each
+        lane's address, 0 where the predicate operand is 0."""
+        import ctypes
+
+        addresses, keep = values[0].data.reshape(-1), values[1].data.reshape(-1)
+        halves = np.zeros(addresses.size, dtype=np.int16)
+        for i, (address, on) in enumerate(zip(addresses.tolist(), keep.tolist())):
+            if on:
+                assert address % 2 == 0, f"a 2-byte load from an unaligned address {address:#x}"
+                halves[i] = np.frombuffer(ctypes.string_at(address, 2), dtype=np.int16)[0]
+        return _Call([interpreter.TensorHandle(halves.reshape(values[0].data.shape), types[0].scalar)])
+
     def create_inline_asm(self, asm, constraints, values, types, is_pure, pack):
         assert pack == 1, "only one element per asm instance is emulated"
-        if "ld.global" in asm and "v2.u64" in asm:
+        loads = ("ld.global", "ld.relaxed.cta.global")
+        if any(op in asm for op in loads) and "v2.u64" in asm:
             return load_pairs(asm, values, types)
-        if "ld.global.nc.u64" in asm:
+        if "ld.global.nc.u64" in asm or "ld.relaxed.cta.global.u64" in asm:
             return load_words(asm, values, types)
+        if "ld.relaxed.cta.global.b16" in asm:
+            return load_halves(asm, values, types)
         cons = constraints.split(",")
         n_out = sum(c.startswith("=") for c in cons)
         flat = [v.data.reshape(-1) for v in values]

@@ -78,3 +78,20 @@ def test_the_collector_is_restored_after_an_error_and_left_off_if_it_was(fake_ca
         pass
     assert not gc.isenabled()
     gc.enable()
+
+
+def test_warm_ups_share_one_side_stream_per_gpu(monkeypatch):
+    """torch keeps a cuBLAS workspace for each stream cuBLAS ran on until the process ends: a stream
+    made per capture kept ~64 MiB each (bench/RESULTS.md run 34). One stream per GPU, then."""
+    made = []
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: made.append(device) or object())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    cuda_graphs._side_stream.cache_clear()
+    try:
+        first = cuda_graphs.warmup_stream(torch.device("cuda", 0))
+        assert cuda_graphs.warmup_stream(torch.device("cuda", 0)) is first
+        assert cuda_graphs.warmup_stream(torch.device("cuda", 1)) is not first
+        assert cuda_graphs.warmup_stream(torch.device("cuda")) is cuda_graphs.warmup_stream(torch.device("cuda", 1))
+        assert made == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    finally:
+        cuda_graphs._side_stream.cache_clear()

@@ -14,7 +14,7 @@ import torch
 
 from ..attention.kv_cache import KVCache
 from ..attention.metadata import AttentionBatch
-from ..cuda_graphs import capturing
+from ..cuda_graphs import capturing, warmup_stream
 from ..device import triton_runs_on
 from ..layers.rotary import RotaryEmbedding
 from ..models import structure
@@ -108,7 +108,7 @@ class DecodeRunner:
     def capture(self, body, warmups: int = 2):
         """A CUDA graph of ``body()`` and its output; eager warm-up runs first (autotuning,
         allocator, lazy init stay out of the graph)."""
-        stream = torch.cuda.Stream()
+        stream = warmup_stream(self.tokens.device)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(warmups):

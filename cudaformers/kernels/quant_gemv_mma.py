@@ -70,13 +70,17 @@ DEPTHS = (1, 2, 3)  # blocks of weights a warp has in flight while it works on o
 #   blocks ahead in SASS. The read-only ones (PINNED) may, and do on some plans: int4 gate/up 1.00 blocks
 #   ahead at 90 registers against 76, int8 8,2,1 0.06. What the fence costs (MEMBAR.ALL.CTA a block and
 #   warp, and whether it waits on the loads in flight) only a GPU can say.
-REGISTERS, STAGED, STAGED_WEIGHTS, PINNED, PINNED_COHERENT = 0, 1, 2, 3, 4
-LOADS = (REGISTERS, STAGED, STAGED_WEIGHTS, PINNED, PINNED_COHERENT)
+# - ORDERED ("o"): in place of the fence, the weights, int4's scales and x all load as ``ld.relaxed.cta``,
+#   which ptxas keeps in program order among themselves (x comes after the blocks ahead, and the work needs
+#   x): the same distances as PINNED_COHERENT without a MEMBAR. A fence that waits for the loads in flight
+#   would make every block wait for the blocks ahead too; this mode cannot.
+REGISTERS, STAGED, STAGED_WEIGHTS, PINNED, PINNED_COHERENT, ORDERED = 0, 1, 2, 3, 4, 5
+LOADS = (REGISTERS, STAGED, STAGED_WEIGHTS, PINNED, PINNED_COHERENT, ORDERED)
 
 
 def load_constexprs(loads: int) -> dict:
     """A load mode as the kernel's STAGED and PIN."""
-    return dict(STAGED={STAGED: 1, STAGED_WEIGHTS: 2}.get(loads, 0), PIN={PINNED: 1, PINNED_COHERENT: 2}.get(loads, 0))
+    return dict(STAGED={STAGED: 1, STAGED_WEIGHTS: 2}.get(loads, 0), PIN={PINNED: 1, PINNED_COHERENT: 2, ORDERED: 3}.get(loads, 0))
 # Where every warp has the same number of blocks, load without masks (EVEN in the kernel): 9-18% fewer
 # instructions a block in sm_90 SASS, but not faster on an H200 (run 23, qwen3-8b decode: int4 +0.8%
 # alone, -2.9% with the gated GEMV and the wide loads; int8 -2.2%). Off.
@@ -105,15 +109,27 @@ _LOAD_IF = "{ .reg .pred p; setp.ne.b32 p, $3, 0; mov.b64 $0, 0; mov.b64 $1, 0; 
 _PAIR, _PAIR_IF = tl.constexpr(_LOAD), tl.constexpr(_LOAD_IF)
 # The same loads on the coherent path, which a fence keeps in place (``PIN``).
 _PAIR_C, _PAIR_C_IF = tl.constexpr(_LOAD.replace(".nc", "")), tl.constexpr(_LOAD_IF.replace(".nc", ""))
+# And as relaxed CTA-scope loads (``ORDERED``), which ptxas does not reorder among themselves.
+_RELAXED = _LOAD.replace("ld.global.nc.L1::no_allocate", "ld.relaxed.cta.global.L1::no_allocate")
+_PAIR_R, _PAIR_R_IF = tl.constexpr(_RELAXED), tl.constexpr(_LOAD_IF.replace(_LOAD, _RELAXED))
 _FENCE = tl.constexpr("fence.acq_rel.cta;\n\tmov.u32 $0, 0;")
-_X_IF = tl.constexpr("{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.b64 $0, 0; @p ld.global.nc.u64 $0, [$1]; }")
+_X_LOAD_IF = "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.b64 $0, 0; @p ld.global.nc.u64 $0, [$1]; }"
+_X_IF, _X_R_IF = tl.constexpr(_X_LOAD_IF), tl.constexpr(_X_LOAD_IF.replace("ld.global.nc", "ld.relaxed.cta.global"))
+_HALF_R_IF = tl.constexpr("{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.b16 $0, 0; @p ld.relaxed.cta.global.b16 $0, [$1]; }")
 
 
 @triton.jit
 def _pair(at, ok, WIDE: tl.constexpr, EVEN: tl.constexpr, PIN: tl.constexpr = 0):
     """Words ``at[0]`` and ``at[1]`` (int64; 16-byte aligned for WIDE), or where not ``ok`` any value
-    (0 when WIDE). PIN 2: on the coherent path (``PIN``)."""
-    if WIDE:
+    (0 when WIDE). PIN 2: on the coherent path; 3: relaxed (``PIN``)."""
+    if PIN == 3:  # always 16 bytes
+        if EVEN:
+            a, b = tl.inline_asm_elementwise(_PAIR_R, "=l,=l,l", [at], dtype=(tl.int64, tl.int64), is_pure=False,
+                                             pack=1)
+        else:
+            a, b = tl.inline_asm_elementwise(_PAIR_R_IF, "=l,=l,l,r", [at, ok.to(tl.int32)],
+                                             dtype=(tl.int64, tl.int64), is_pure=False, pack=1)
+    elif WIDE:
         if EVEN:  # ok is constant true
             a, b = tl.inline_asm_elementwise(_PAIR_C if PIN == 2 else _PAIR, "=l,=l,l", [at],
                                              dtype=(tl.int64, tl.int64), is_pure=False, pack=1)
@@ -145,8 +161,9 @@ def _words(at, ld_q, ok, r1, r2, TILES: tl.constexpr, WIDE: tl.constexpr, EVEN: 
 @triton.jit
 def _pinned(xb, like, PIN: tl.constexpr):
     """``xb`` past a fence (PIN > 0), which keeps the loads issued before it ahead of the block's work: x's
-    loads, which the work needs, come after it. ``like``: any int32 of the lanes' shape (the asm's operand)."""
-    if PIN > 0:
+    loads, which the work needs, come after it. ``like``: any int32 of the lanes' shape (the asm's operand).
+    PIN 3 (``ORDERED``) needs no fence: x's relaxed loads stay after the blocks ahead's."""
+    if PIN == 1 or PIN == 2:
         xb += tl.inline_asm_elementwise(_FENCE, "=r,r", [like], dtype=tl.int32, is_pure=False, pack=1)
     return xb
 
@@ -173,22 +190,34 @@ def _staged_words(at, ld_q, ok, r1, r2, TILES: tl.constexpr):
 
 
 @triton.jit
-def _scale_zero(s_at, z_at, ok, HAS_ZEROS: tl.constexpr):
+def _half(at, ok, RELAXED: tl.constexpr):
+    """One 2-byte value at ``at`` (0 where not ``ok``); RELAXED: as ``ld.relaxed.cta`` (``ORDERED``)."""
+    if RELAXED:
+        bits = tl.inline_asm_elementwise(_HALF_R_IF, "=h,l,r", [at, ok.to(tl.int32)], dtype=tl.int16, is_pure=False,
+                                         pack=1)
+        return bits.to(at.dtype.element_ty, bitcast=True)
+    else:
+        return tl.load(at, mask=ok, other=0)
+
+
+@triton.jit
+def _scale_zero(s_at, z_at, ok, HAS_ZEROS: tl.constexpr, RELAXED: tl.constexpr = False):
     """A row's scale and zero point of one block as stored (0 where not ``ok``; without zero points the
     scale twice, and ``_scaled`` takes 8)."""
-    scale = tl.load(s_at, mask=ok, other=0)
-    zero = tl.load(z_at, mask=ok, other=0) if HAS_ZEROS else scale
+    scale = _half(s_at, ok, RELAXED)
+    zero = _half(z_at, ok, RELAXED) if HAS_ZEROS else scale
     return scale, zero
 
 
 @triton.jit
-def _scales(s_at, z_at, n_blocks, ok, r1, r2, HAS_ZEROS: tl.constexpr, TILES: tl.constexpr):
+def _scales(s_at, z_at, n_blocks, ok, r1, r2, HAS_ZEROS: tl.constexpr, TILES: tl.constexpr,
+            RELAXED: tl.constexpr = False):
     """The lane's rows' scales and zero points of one block (rows as ``_words``), as 8 values."""
-    s0, z0 = _scale_zero(s_at, z_at, ok, HAS_ZEROS)
-    s1, z1 = _scale_zero(s_at + r1 * n_blocks, z_at + r1 * n_blocks, ok, HAS_ZEROS)
+    s0, z0 = _scale_zero(s_at, z_at, ok, HAS_ZEROS, RELAXED)
+    s1, z1 = _scale_zero(s_at + r1 * n_blocks, z_at + r1 * n_blocks, ok, HAS_ZEROS, RELAXED)
     if TILES == 2:
-        s2, z2 = _scale_zero(s_at + r2 * n_blocks, z_at + r2 * n_blocks, ok, HAS_ZEROS)
-        s3, z3 = _scale_zero(s_at + (r2 + r1) * n_blocks, z_at + (r2 + r1) * n_blocks, ok, HAS_ZEROS)
+        s2, z2 = _scale_zero(s_at + r2 * n_blocks, z_at + r2 * n_blocks, ok, HAS_ZEROS, RELAXED)
+        s3, z3 = _scale_zero(s_at + (r2 + r1) * n_blocks, z_at + (r2 + r1) * n_blocks, ok, HAS_ZEROS, RELAXED)
     else:  # not read
         s2, z2, s3, z3 = s0, z0, s1, z1
     return s0, z0, s1, z1, s2, z2, s3, z3
@@ -209,16 +238,19 @@ def _ahead(at, s_at, z_at, n_blocks, ld_q, ok, r1, r2, FMT: tl.constexpr, TILES:
     more ahead, against 20-40 instructions in place; with read-only loads (PIN 1) they cost the weights
     their lead, int4 gate/up 1.00 -> 0.17 blocks, so there they load in place)."""
     words = _words(at, ld_q, ok, r1, r2, TILES, WIDE, EVEN, PIN)
-    if PIN == 2 and FMT == FMT_INT4:
-        words = words + _scales(s_at, z_at, n_blocks, ok, r1, r2, HAS_ZEROS, TILES)
+    if PIN >= 2 and FMT == FMT_INT4:
+        words = words + _scales(s_at, z_at, n_blocks, ok, r1, r2, HAS_ZEROS, TILES, PIN == 3)
     return words
 
 
 @triton.jit
-def _x(at, ok, DIRECT: tl.constexpr):
+def _x(at, ok, DIRECT: tl.constexpr, RELAXED: tl.constexpr = False):
     """One int64 of x, 0 where not ``ok``; DIRECT: an inline load, which the pipeliner leaves in place
-    (x, read by 8 lanes alike, is not worth a shared-memory stage)."""
-    if DIRECT:
+    (x, read by 8 lanes alike, is not worth a shared-memory stage); RELAXED: as ``ld.relaxed.cta``."""
+    if RELAXED:
+        return tl.inline_asm_elementwise(_X_R_IF, "=l,l,r", [at, ok.to(tl.int32)], dtype=tl.int64, is_pure=False,
+                                         pack=1)
+    elif DIRECT:
         return tl.inline_asm_elementwise(_X_IF, "=l,l,r", [at, ok.to(tl.int32)], dtype=tl.int64, is_pure=False,
                                          pack=1)
     else:
@@ -226,14 +258,16 @@ def _x(at, ok, DIRECT: tl.constexpr):
 
 
 @triton.jit
-def _xs(xb, ok, FMT: tl.constexpr, DIRECT: tl.constexpr = False):
+def _xs(xb, ok, FMT: tl.constexpr, DIRECT: tl.constexpr = False, RELAXED: tl.constexpr = False):
     """The lane's pieces of x for one block (``xb`` at its first 4-element piece, x as int64): 8 for
     int4, 4 for int8; 0 outside the K range (``ok`` false)."""
     if FMT == FMT_INT8:
-        return (_x(xb, ok, DIRECT), _x(xb + 4, ok, DIRECT), _x(xb + 8, ok, DIRECT), _x(xb + 12, ok, DIRECT))
+        return (_x(xb, ok, DIRECT, RELAXED), _x(xb + 4, ok, DIRECT, RELAXED), _x(xb + 8, ok, DIRECT, RELAXED),
+                _x(xb + 12, ok, DIRECT, RELAXED))
     else:
-        return (_x(xb, ok, DIRECT), _x(xb + 4, ok, DIRECT), _x(xb + 8, ok, DIRECT), _x(xb + 12, ok, DIRECT),
-                _x(xb + 16, ok, DIRECT), _x(xb + 20, ok, DIRECT), _x(xb + 24, ok, DIRECT), _x(xb + 28, ok, DIRECT))
+        return (_x(xb, ok, DIRECT, RELAXED), _x(xb + 4, ok, DIRECT, RELAXED), _x(xb + 8, ok, DIRECT, RELAXED),
+                _x(xb + 12, ok, DIRECT, RELAXED), _x(xb + 16, ok, DIRECT, RELAXED), _x(xb + 20, ok, DIRECT, RELAXED),
+                _x(xb + 24, ok, DIRECT, RELAXED), _x(xb + 28, ok, DIRECT, RELAXED))
 
 
 @triton.jit
@@ -332,7 +366,7 @@ def _rotating(at, xb, s_at, z_at, n_blocks, ld_q, warp, steps, r1, r2, acc, FMT:
     # The blocks in flight rotate through DEPTH + 1 sets of registers: unrolled DEPTH + 1 times (pinned on
     # the coherent path) no words move between them, which ptxas would otherwise place after the loads
     # and so wait on them; the other modes keep the unrolling they were measured with (DEPTH).
-    for step in tl.range(1, steps, loop_unroll_factor=DEPTH + 1 if PIN == 2 else DEPTH):
+    for step in tl.range(1, steps, loop_unroll_factor=DEPTH + 1 if PIN >= 2 else DEPTH):
         if EVEN:
             ahead_ok = ok
             blocks_on = tl.where(step + DEPTH - 1 < steps, WARPS * DEPTH, 0)
@@ -342,8 +376,8 @@ def _rotating(at, xb, s_at, z_at, n_blocks, ld_q, warp, steps, r1, r2, acc, FMT:
             ahead_ok = warp + (step + DEPTH - 1) * WARPS < n_blocks
             ahead = _ahead(at + 8 * WARPS * DEPTH, s_at + WARPS * DEPTH, z_at + WARPS * DEPTH, n_blocks, ld_q,
                            ahead_ok, r1, r2, FMT, TILES, WIDE, EVEN, PIN, HAS_ZEROS)
-        acc = _block(words, _xs(_pinned(xb, warp, PIN), ok, FMT), s_at, z_at, n_blocks, ok, acc, r1, r2, FMT, HAS_ZEROS,
-                     TILES, PIN == 2)
+        acc = _block(words, _xs(_pinned(xb, warp, PIN), ok, FMT, False, PIN == 3), s_at, z_at, n_blocks, ok, acc, r1,
+                     r2, FMT, HAS_ZEROS, TILES, PIN >= 2)
         if DEPTH == 3:
             words, ok, words_1, ok_1, words_2, ok_2 = words_1, ok_1, words_2, ok_2, ahead, ahead_ok
         elif DEPTH == 2:
@@ -354,7 +388,8 @@ def _rotating(at, xb, s_at, z_at, n_blocks, ld_q, warp, steps, r1, r2, acc, FMT:
         xb += X_STEP * WARPS
         s_at += WARPS
         z_at += WARPS
-    acc = _block(words, _xs(xb, ok, FMT), s_at, z_at, n_blocks, ok, acc, r1, r2, FMT, HAS_ZEROS, TILES, PIN == 2)
+    acc = _block(words, _xs(xb, ok, FMT, False, PIN == 3), s_at, z_at, n_blocks, ok, acc, r1, r2, FMT, HAS_ZEROS, TILES,
+                 PIN >= 2)
     return acc
 
 
