@@ -86,16 +86,34 @@ def test_dropped_models_and_engines_free_their_gpu_memory_at_once():
         assert engine.runner.graphs is not None and engine.runner.graphs.graphs
         _run(engine, _prompts([5, 17]), 6)
 
-    use_and_drop()  # process-wide buffers (split counters) are made once, here
+    use_and_drop()  # process-wide buffers (split counters, the warm-up stream's workspace) are made once, here
     gc.collect()
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     enabled = gc.isenabled()
     gc.disable()
+    torch.cuda.memory._record_memory_history(max_entries=100000)
     try:
         use_and_drop()
         torch.cuda.synchronize()
-        assert torch.cuda.memory_allocated() == before
+        kept = torch.cuda.memory_allocated() - before
+        assert kept == 0, f"{kept} bytes kept; allocated then and still alive:\n{_alive_since(before)}"
     finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
         if enabled:
             gc.enable()
+
+
+def _alive_since(before: int, largest: int = 5) -> str:
+    """The largest live blocks the recorded history saw allocated, with the innermost Python frames of
+    their allocation: what a failing memory check names."""
+    snapshot = torch.cuda.memory._snapshot()
+    blocks = [b for seg in snapshot["segments"] for b in seg["blocks"]
+              if b["state"] == "active_allocated" and b.get("frames")]
+    blocks.sort(key=lambda b: -b["size"])
+    lines = []
+    for b in blocks[:largest]:
+        frames = [f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']} {f['name']}" for f in b["frames"]
+                  if f["filename"].endswith(".py")][:6]
+        lines.append(f"{b['size']} bytes: " + " <- ".join(frames))
+    return "\n".join(lines) or f"(no recorded block; {torch.cuda.memory_allocated() - before} bytes)"
