@@ -161,31 +161,20 @@ def emulate_inline_asm(monkeypatch) -> None:
         return _Call([interpreter.TensorHandle(words[:, j].reshape(shape).copy(), ty.scalar)
                       for j, ty in enumerate(types)])
 
-    def load_words(asm, values, types):
-        """The fragment GEMV's 8-byte x loads (``quant_gemv_mma._X_IF``): an int64 at each lane's address,
-        0 where the predicate operand is 0."""
+    def load_scalars(values, types, dtype):
+        """The fragment GEMV's predicated scalar loads: x's 8 bytes (``quant_gemv_mma._X_IF``, relaxed or
+        not) and the relaxed 2-byte scales (``_HALF_R_IF``): a ``dtype`` at each lane's address, 0 where
+        the predicate operand is 0."""
         import ctypes
 
+        size = np.dtype(dtype).itemsize
         addresses, keep = values[0].data.reshape(-1), values[1].data.reshape(-1)
-        words = np.zeros(addresses.size, dtype=np.int64)
+        out = np.zeros(addresses.size, dtype=dtype)
         for i, (address, on) in enumerate(zip(addresses.tolist(), keep.tolist())):
             if on:
-                assert address % 8 == 0, f"an 8-byte load from an unaligned address {address:#x}"
-                words[i] = np.frombuffer(ctypes.string_at(address, 8), dtype=np.int64)[0]
-        return _Call([interpreter.TensorHandle(words.reshape(values[0].data.shape), types[0].scalar)])
-
-    def load_halves(asm, values, types):
-        """The fragment GEMV's relaxed 2-byte scale loads (``quant_gemv_mma._HALF_R_IF``): 16 bits at each
-        lane's address, 0 where the predicate operand is 0."""
-        import ctypes
-
-        addresses, keep = values[0].data.reshape(-1), values[1].data.reshape(-1)
-        halves = np.zeros(addresses.size, dtype=np.int16)
-        for i, (address, on) in enumerate(zip(addresses.tolist(), keep.tolist())):
-            if on:
-                assert address % 2 == 0, f"a 2-byte load from an unaligned address {address:#x}"
-                halves[i] = np.frombuffer(ctypes.string_at(address, 2), dtype=np.int16)[0]
-        return _Call([interpreter.TensorHandle(halves.reshape(values[0].data.shape), types[0].scalar)])
+                assert address % size == 0, f"a {size}-byte load from an unaligned address {address:#x}"
+                out[i] = np.frombuffer(ctypes.string_at(address, size), dtype=dtype)[0]
+        return _Call([interpreter.TensorHandle(out.reshape(values[0].data.shape), types[0].scalar)])
 
     def create_inline_asm(self, asm, constraints, values, types, is_pure, pack):
         assert pack == 1, "only one element per asm instance is emulated"
@@ -193,9 +182,9 @@ def emulate_inline_asm(monkeypatch) -> None:
         if any(op in asm for op in loads) and "v2.u64" in asm:
             return load_pairs(asm, values, types)
         if "ld.global.nc.u64" in asm or "ld.relaxed.cta.global.u64" in asm:
-            return load_words(asm, values, types)
+            return load_scalars(values, types, np.int64)
         if "ld.relaxed.cta.global.b16" in asm:
-            return load_halves(asm, values, types)
+            return load_scalars(values, types, np.int16)
         cons = constraints.split(",")
         n_out = sum(c.startswith("=") for c in cons)
         flat = [v.data.reshape(-1) for v in values]
