@@ -6,6 +6,7 @@ import contextlib
 import gc
 import weakref
 
+import pytest
 import torch
 from torch import nn
 
@@ -142,6 +143,48 @@ def test_runners_and_models_are_freed_without_the_garbage_collector():
         dropped = weakref.ref(model)
         del model
         assert dropped() is None
+
+
+def test_packed_and_kernelized_modules_are_freed_with_their_model():
+    """The packed projections and the kernels are bound onto the modules themselves; bound strongly,
+    each module would sit in a cycle with its own method, and its weights (the packed q/k/v and
+    gate/up matrices) would outlive ``del model`` until the collector ran. So would the blocks that
+    activation checkpointing rebinds."""
+    from cudaformers.distributed.blocks import checkpoint_blocks
+
+    model = _model()
+    kernelize(model, KernelConfig(kernel_mapping={"RMSNorm": "cudaformers:rms_norm"}))
+    checkpoint_blocks(model)
+    attention = model.model.layers[0].self_attn
+    norm = model.model.layers[0].input_layernorm
+    assert "project_qkv" in attention.__dict__ and "forward" in norm.__dict__  # bound on the instances
+    model.generate(torch.randint(3, 211, (1, 5)), **KW)
+    with _collector_off():
+        left = [weakref.ref(m) for m in (attention, attention.packed_qkv, norm, model.model.layers[0].mlp,
+                                         model.model.layers[1])]
+        del attention, norm, model
+        assert [ref() for ref in left] == [None] * len(left)
+
+
+def test_a_weakly_bound_method_follows_deep_copies_and_names_a_freed_module():
+    import copy
+
+    from cudaformers.binding import bind
+
+    def forward(self, x):
+        return self.scale * x
+
+    module = nn.Module()
+    module.scale = 3
+    module.forward = bind(forward, module)
+    assert module(2) == 6 and module.forward.__func__ is forward and module.forward.__self__ is module
+    twin = copy.deepcopy(module)
+    twin.scale = 5
+    assert twin(2) == 10 and twin.forward.__self__ is twin and module(2) == 6
+    orphan = module.forward
+    del module, twin
+    with pytest.raises(ReferenceError, match="freed"):
+        orphan(2)
 
 
 def test_engine_is_freed_without_the_garbage_collector():

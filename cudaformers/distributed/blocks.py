@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..binding import bind
 from ..errors import UnsupportedError
 from ..models import structure
 
@@ -29,6 +29,11 @@ def find_blocks(model: nn.Module) -> nn.ModuleList:
     return max(lists, key=len)
 
 
+def _recomputed(block: nn.Module, *args, **kwargs):
+    inner = block._cf_inner_forward or type(block).forward.__get__(block)
+    return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+
+
 def checkpoint_blocks(model: nn.Module) -> int:
     """Recompute each decoder block in the backward pass instead of keeping its activations.
 
@@ -39,8 +44,8 @@ def checkpoint_blocks(model: nn.Module) -> int:
     for block in blocks:
         if getattr(block, "_cf_checkpointed", False):
             continue
-        inner = block.forward
-        block.forward = functools.partial(checkpoint, inner, use_reentrant=False)
+        block._cf_inner_forward = block.__dict__.get("forward")  # a kernel bound before, else the class's
+        block.forward = bind(_recomputed, block)
         block._cf_checkpointed = True
     structure.changed()
     return len(blocks)

@@ -10,14 +10,13 @@ Quantized projections pack the same way, through ``quant/packing.py``.
 
 from __future__ import annotations
 
-import types
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..layers.attention import Attention
 from ..layers.mlp import GatedMLP
+from ..binding import bind
 
 
 class PackedLinear(nn.Module):
@@ -93,10 +92,10 @@ def fuse_projections(model: nn.Module) -> int:
     for module in model.modules():
         if isinstance(module, Attention) and _pack(module, [module.q_proj, module.k_proj, module.v_proj],
                                                    "packed_qkv"):
-            module.project_qkv = types.MethodType(_qkv, module)
+            module.project_qkv = bind(_qkv, module)
             count += 1
         elif isinstance(module, GatedMLP) and _pack(module, [module.gate_proj, module.up_proj], "packed_gate_up"):
-            module.project_gate_up = types.MethodType(_gate_up, module)
+            module.project_gate_up = bind(_gate_up, module)
             count += 1
     if hasattr(model, "_choices") and count:
         model._choices["projections"] = f"q/k/v and gate/up packed into single matmuls ({count} modules)"

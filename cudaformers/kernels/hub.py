@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import logging
 import os
-import types
 from dataclasses import dataclass, field
 
 from ..errors import UnsupportedError
+from ..binding import bind
 
 logger = logging.getLogger("cudaformers")
 MODES = ("inference", "training")
@@ -409,7 +409,7 @@ def _apply(model, config: KernelConfig | None, mode: str) -> dict:
                 old = module.__dict__.pop("forward", None)
                 kernel = lt.kernels[name] if name else None
                 if kernel is not None:
-                    module.forward = types.MethodType(kernel, module)
+                    module.forward = bind(kernel, module)
                 if getattr(old, "__func__", old) is not kernel:
                     structure.changed()  # captured graphs replay the forward bound before
             kernel, reason, count = chosen.get(lt.name, (name, why, 0))

@@ -77,8 +77,12 @@ def test_dropped_models_and_engines_free_their_gpu_memory_at_once():
     the middle of another capture."""
     import gc
 
+    # Built out here: building it keeps a cycle through transformers' frames, whose f_back chain would
+    # hold use_and_drop's frame, and so its model, until the collector ran.
+    checkpoint = tiny.checkpoint("qwen3")
+
     def use_and_drop():
-        model = AutoModelForCausalLM.from_pretrained(tiny.checkpoint("qwen3"), device_map="cuda",
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, device_map="cuda",
                                                      attn_implementation="triton")
         model.generate(torch.randint(3, 211, (2, 9), device="cuda"), max_new_tokens=8, do_sample=False,
                        eos_token_id=None)
