@@ -40,7 +40,7 @@ from .arrivals import arrival_counters
 from .flash_attention import attention_reference
 from .flash_attention_fwd import (LOG2E, _UPCAST_DOT, _dot, _dot_precision, block_d, check_inputs, interpreting,
                                   output_like)
-from .grid import cdiv, next_power_of_2
+from .grid import cdiv, next_power_of_2, sm_count
 from .l2_prefetch import LINE_BYTES, prefetch_l2
 from .pdl import pdl_enabled, release_dependents, wait_for_producer
 from .qk_norm_rope import norm_rope, rope_layout, rope_rows
@@ -317,13 +317,8 @@ class DecodeTiling:
     split_tiles: int
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _sms(device: torch.device) -> int:
-    return 4 if interpreting() or device.type != "cuda" else _sm_count(device.index or 0)
+    return 4 if interpreting() else sm_count(device, 4)
 
 
 @functools.lru_cache(maxsize=None)

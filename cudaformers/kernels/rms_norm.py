@@ -23,14 +23,13 @@ waits for its input.
 
 from __future__ import annotations
 
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
 from ..layers.norm import rms_norm_reference
-from .grid import cdiv, next_power_of_2
+from .grid import cdiv, next_power_of_2, sm_count
 from .pdl import pdl_enabled, release_dependents, wait_for_producer
 
 TILE = 4096  # values per tile (fp32 registers: 16 a thread at 8 warps)
@@ -104,16 +103,9 @@ def _rms_norm_bwd(dy_ptr, ds_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_ptr, n_rows
     tl.store(dw_ptr + pid.to(tl.int64) * n_cols + cols, tl.sum(dw, axis=0), mask=col_ok)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _programs_per_wave(device: torch.device) -> int:
     """Two programs per SM on CUDA; a handful on the interpreter."""
-    if device.type != "cuda":
-        return 4
-    return 2 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return 2 * sm_count(device, 2)
 
 
 def _tile(n_rows: int, n_cols: int, device: torch.device) -> tuple[int, int, int]:
