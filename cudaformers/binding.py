@@ -1,11 +1,12 @@
 """A function bound to a module as one of its own attributes, without a reference cycle.
 
 Kernels, packed projections and activation checkpointing replace a module's ``forward`` (or
-``project_qkv``) with a function bound to that module. A ``types.MethodType`` stored on its own ``self`` is a cycle (module -> method
--> module), so every such module, and the weights, packed matrices and KV caches it holds, outlived
-``del model`` until the garbage collector ran, maybe inside a later CUDA-graph capture (on an H100 a
-dropped tiny model kept its packed q/k/v and gate/up matrices: bench/RESULTS.md run 35). ``bind``
-holds the module weakly; ``__func__`` is what callers compare, as with a method.
+``project_qkv``) with a function bound to that module. A ``types.MethodType`` stored on its own
+``self`` is a cycle (module -> method -> module), so every such module, and the weights, packed
+matrices and KV caches it holds, outlived ``del model`` until the garbage collector ran, maybe inside
+a later CUDA-graph capture (on an H100 a dropped tiny model kept its packed q/k/v and gate/up
+matrices: bench/RESULTS.md run 35). ``bind`` holds the module weakly; ``__func__`` is what callers
+compare, as with a method.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ class WeakMethod:
         return WeakMethod(self.__func__, copy.deepcopy(self._module(), memo))
 
     def __repr__(self) -> str:
-        return f"<weakly bound {getattr(self.__func__, '__qualname__', self.__func__)} of {type(self.__self__).__name__}>"
+        name = getattr(self.__func__, "__qualname__", self.__func__)
+        return f"<weakly bound {name} of {type(self.__self__).__name__}>"
 
 
 def bind(fn, module: nn.Module) -> WeakMethod:

@@ -6,10 +6,11 @@ automatic collector in the middle of one. When that cycle holds an earlier graph
 decode runners, a dropped engine), the earlier graph would be destroyed and its memory pool released
 while CUDA records this one, in the same thread and under the default global capture mode: the
 suspected cause (not proven) of a capture of generate()'s decode loop seen invalidated once,
-intermittently, in the GPU suite (bench/RESULTS.md runs 32-33). So the collector is off while a capture runs. It does not collect first:
-a full collection costs ~140 ms in a process that has imported transformers (370k objects, measured on
-the CPU), against captures that come by the dozen (one per engine bucket, per generate() shape), and the
-decode runners and engine graphs hold no reference cycles, so reference counting frees them.
+intermittently, in the GPU suite (bench/RESULTS.md runs 32-33). So the collector is off while a
+capture runs. It does not collect first: a full collection costs ~140 ms in a process that has
+imported transformers (370k objects, measured on the CPU), against captures that come by the dozen
+(one per engine bucket, per generate() shape), and the decode runners and engine graphs hold no
+reference cycles, so reference counting frees them.
 
 Warm-ups before a capture run on one side stream per device (``warmup_stream``), never a new one: torch
 keeps a cuBLAS workspace for every stream cuBLAS has run on until the process ends, so a stream made per

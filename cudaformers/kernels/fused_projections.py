@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..binding import bind
 from ..layers.attention import Attention
 from ..layers.mlp import GatedMLP
-from ..binding import bind
 
 
 class PackedLinear(nn.Module):

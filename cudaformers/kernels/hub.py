@@ -20,8 +20,8 @@ import logging
 import os
 from dataclasses import dataclass, field
 
-from ..errors import UnsupportedError
 from ..binding import bind
+from ..errors import UnsupportedError
 
 logger = logging.getLogger("cudaformers")
 MODES = ("inference", "training")

@@ -68,19 +68,20 @@ DEPTHS = (1, 2, 3)  # blocks of weights a warp has in flight while it works on o
 #   loads and the block's work. x's loads come after the fence and the work needs them, so the work cannot
 #   rise above it. The coherent loads (with int4's scales, ``_ahead``) cannot sink below it: exactly DEPTH
 #   blocks ahead in SASS. The read-only ones (PINNED) may, and do on some plans: int4 gate/up 1.00 blocks
-#   ahead at 90 registers against 76, int8 8,2,1 0.06. What the fence costs (MEMBAR.ALL.CTA a block and
-#   warp, and whether it waits on the loads in flight) only a GPU can say.
+#   ahead at 90 registers against 76, int8 8,2,1 0.06. The fence (MEMBAR.ALL.CTA a block and warp) costs
+#   nothing measurable on an H100: ORDERED, without it, is within 2% at depths 1-2 (bench/RESULTS.md run 34).
 # - ORDERED ("o"): in place of the fence, the weights, int4's scales and x all load as ``ld.relaxed.cta``,
 #   which ptxas keeps in program order among themselves (x comes after the blocks ahead, and the work needs
-#   x): the same distances as PINNED_COHERENT without a MEMBAR. A fence that waits for the loads in flight
-#   would make every block wait for the blocks ahead too; this mode cannot.
+#   x): about the distances of PINNED_COHERENT without a MEMBAR. On an H100 no faster than it (run 34; at
+#   depth 3 slower); the H200 has not run it.
 REGISTERS, STAGED, STAGED_WEIGHTS, PINNED, PINNED_COHERENT, ORDERED = 0, 1, 2, 3, 4, 5
 LOADS = (REGISTERS, STAGED, STAGED_WEIGHTS, PINNED, PINNED_COHERENT, ORDERED)
 
 
 def load_constexprs(loads: int) -> dict:
     """A load mode as the kernel's STAGED and PIN."""
-    return dict(STAGED={STAGED: 1, STAGED_WEIGHTS: 2}.get(loads, 0), PIN={PINNED: 1, PINNED_COHERENT: 2, ORDERED: 3}.get(loads, 0))
+    return dict(STAGED={STAGED: 1, STAGED_WEIGHTS: 2}.get(loads, 0),
+                PIN={PINNED: 1, PINNED_COHERENT: 2, ORDERED: 3}.get(loads, 0))
 # Where every warp has the same number of blocks, load without masks (EVEN in the kernel): 9-18% fewer
 # instructions a block in sm_90 SASS, but not faster on an H200 (run 23, qwen3-8b decode: int4 +0.8%
 # alone, -2.9% with the gated GEMV and the wide loads; int8 -2.2%). Off.
@@ -121,21 +122,15 @@ _HALF_R_IF = tl.constexpr("{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.b16 $0, 0; 
 @triton.jit
 def _pair(at, ok, WIDE: tl.constexpr, EVEN: tl.constexpr, PIN: tl.constexpr = 0):
     """Words ``at[0]`` and ``at[1]`` (int64; 16-byte aligned for WIDE), or where not ``ok`` any value
-    (0 when WIDE). PIN 2: on the coherent path; 3: relaxed (``PIN``)."""
-    if PIN == 3:  # always 16 bytes
-        if EVEN:
-            a, b = tl.inline_asm_elementwise(_PAIR_R, "=l,=l,l", [at], dtype=(tl.int64, tl.int64), is_pure=False,
-                                             pack=1)
-        else:
-            a, b = tl.inline_asm_elementwise(_PAIR_R_IF, "=l,=l,l,r", [at, ok.to(tl.int32)],
-                                             dtype=(tl.int64, tl.int64), is_pure=False, pack=1)
-    elif WIDE:
+    (0 when WIDE). PIN 2: on the coherent path; 3: relaxed, always 16 bytes (``PIN``)."""
+    if WIDE or PIN == 3:
         if EVEN:  # ok is constant true
-            a, b = tl.inline_asm_elementwise(_PAIR_C if PIN == 2 else _PAIR, "=l,=l,l", [at],
+            a, b = tl.inline_asm_elementwise(_PAIR_R if PIN == 3 else _PAIR_C if PIN == 2 else _PAIR, "=l,=l,l", [at],
                                              dtype=(tl.int64, tl.int64), is_pure=False, pack=1)
         else:
-            a, b = tl.inline_asm_elementwise(_PAIR_C_IF if PIN == 2 else _PAIR_IF, "=l,=l,l,r", [at, ok.to(tl.int32)],
-                                             dtype=(tl.int64, tl.int64), is_pure=False, pack=1)
+            a, b = tl.inline_asm_elementwise(_PAIR_R_IF if PIN == 3 else _PAIR_C_IF if PIN == 2 else _PAIR_IF,
+                                             "=l,=l,l,r", [at, ok.to(tl.int32)], dtype=(tl.int64, tl.int64),
+                                             is_pure=False, pack=1)
     else:
         a = tl.load(at, mask=ok)
         b = tl.load(at + 1, mask=ok)
@@ -247,12 +242,9 @@ def _ahead(at, s_at, z_at, n_blocks, ld_q, ok, r1, r2, FMT: tl.constexpr, TILES:
 def _x(at, ok, DIRECT: tl.constexpr, RELAXED: tl.constexpr = False):
     """One int64 of x, 0 where not ``ok``; DIRECT: an inline load, which the pipeliner leaves in place
     (x, read by 8 lanes alike, is not worth a shared-memory stage); RELAXED: as ``ld.relaxed.cta``."""
-    if RELAXED:
-        return tl.inline_asm_elementwise(_X_R_IF, "=l,l,r", [at, ok.to(tl.int32)], dtype=tl.int64, is_pure=False,
-                                         pack=1)
-    elif DIRECT:
-        return tl.inline_asm_elementwise(_X_IF, "=l,l,r", [at, ok.to(tl.int32)], dtype=tl.int64, is_pure=False,
-                                         pack=1)
+    if DIRECT or RELAXED:
+        return tl.inline_asm_elementwise(_X_R_IF if RELAXED else _X_IF, "=l,l,r", [at, ok.to(tl.int32)],
+                                         dtype=tl.int64, is_pure=False, pack=1)
     else:
         return tl.load(at, mask=ok, other=0)
 
