@@ -10,7 +10,7 @@ scales) and their share of the measured copy bandwidth. tiles: the M = 1 quantiz
 BLOCK_N (the default marked), to tune ``quant_gemv.gemv_tiles``. mma: the tensor-core kernel
 (``quant_mma``) at M = 1 and 16 over its tilings, with and without its PTX unpack, beside the kernel it
 replaces. Decode methods may end in switches: ``_fma`` (the FMA GEMV instead of the tensor-core kernel), ``_dot``
-(batch 1 without the fragment GEMV), ``_gated`` / ``_nogated`` (``quant_gemv_mma.GATED`` for both formats or
+(batch 1 without the fragment GEMV), ``_gated`` / ``_nogated`` (``quant_gemv_plans.GATED`` for both formats or
 none: gate/up's act-and-mul in the fragment GEMV; by default int4 only), ``_unmasked``
 (``quant_gemv_mma.UNMASKED_EVEN``), ``_wide`` / ``_nowide`` (``WIDE_LOADS``, on by default), ``_lat`` (the
 batch-1 paged decode's tiling before run 23: 32 KB K tiles), ``_plans`` (the fragment GEMV's plans per layer
@@ -271,10 +271,12 @@ def bench_decode(shape, methods, bw, env, json_path, plans_path=None) -> list[di
     kw = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
     rows, base = [], None
     from cudaformers.kernels import quant_gemv_mma as fragment
+    from cudaformers.kernels import quant_gemv_plans
     from cudaformers.kernels import quant_matmul as qm
     from cudaformers.kernels import paged_decode
 
-    defaults = fragment.GATED, fragment.WIDE_LOADS, fragment._launch  # what a method without those switches runs
+    # what a method without those switches runs
+    defaults = quant_gemv_plans.GATED, fragment.WIDE_LOADS, fragment._launch
     # "_plans": the fragment GEMV's plan per (format, N, K) from --plans (bench/quant_gemv_mma.py --best)
     table = {(r["fmt"], r["n"], r["k"]): tuple(r["plan"]) for r in json.load(open(plans_path))} if plans_path else {}
 
@@ -287,7 +289,8 @@ def bench_decode(shape, methods, bw, env, json_path, plans_path=None) -> list[di
             qm.USE_MMA = "fma" not in switches  # the FMA GEMV instead of the tensor-core kernel
             qm.USE_FRAGMENT_GEMV = "dot" not in switches  # batch 1 without the fragment GEMV
             # gate/up's act-and-mul in the fragment GEMV: both formats, none, or the default's
-            fragment.GATED = ("int4", "int8") if "gated" in switches else () if "nogated" in switches else defaults[0]
+            quant_gemv_plans.GATED = (("int4", "int8") if "gated" in switches else () if "nogated" in switches
+                                      else defaults[0])
             fragment.UNMASKED_EVEN = "unmasked" in switches  # its loads without masks
             fragment.WIDE_LOADS = "wide" in switches or ("nowide" not in switches and defaults[1])  # 16 bytes a load
             fragment._launch = planned if "plans" in switches else defaults[2]

@@ -6,9 +6,9 @@ qwen3-8b's layers at batch 1 (q/k/v and gate/up packed), weights read from HBM (
 
 us per call in a CUDA graph of 50 calls (PDL as in decode; best of five replays), and the packed bytes' rate;
 the bf16 GEMV of the same layer for scale; gate/up gated for the formats that run it so on this GPU
-(``gated_formats``).
+(``quant_gemv_plans.gated_formats``).
 Fragment variants are (warps, tiles a warp, blocks in flight) and a letter for how the blocks load
-(``quant_gemv_mma.LOADS``): none in registers, "s" staged through shared memory (``cp.async``), "w"
+(``quant_gemv_plans.LOADS``, described in ``quant_gemv_mma.py``): none in registers, "s" staged through shared memory (``cp.async``), "w"
 their weights only, "p" in registers past a fence a block, "c" so on the coherent path, "o" relaxed loads in
 order, no fence.
 ``--folds`` instead times gate/up with the act-and-mul in its epilogue against gate/up then the
@@ -43,7 +43,7 @@ VARIANTS = ("8,1,1;16,1,1;4,2,1;8,2,1;8,1,2;16,1,2;4,2,2;8,2,2;8,1,3;16,1,3;4,2,
 
 def parse_variants(text: str) -> list[tuple]:
     """``"8,2,1;8,2,2,s;8,2,2,w"`` -> ``[(8, 2, 1), (8, 2, 2, 1), (8, 2, 2, 2)]``: a letter names how the
-    blocks load (``quant_gemv_mma.LOADS``): ``s`` staged through shared memory, ``w`` their weights only
+    blocks load (``quant_gemv_plans.LOADS``, described in ``quant_gemv_mma.py``): ``s`` staged through shared memory, ``w`` their weights only
     (x loaded in place), ``p`` in registers past a fence, ``c`` so on the coherent path, ``o`` relaxed loads
     kept in order without a fence."""
     return [tuple(int(v) for v in item.split(",")[:3]) + LOAD_LETTERS.get(item.split(",")[-1], ())
@@ -97,7 +97,8 @@ def main() -> None:
     from cudaformers.kernels.gemv import gemv
     from cudaformers.kernels.quant_gemv import quant_gemv
     from cudaformers.kernels import quant_gemv_mma as module
-    from cudaformers.kernels.quant_gemv_mma import default_plan, quant_gemv_mma
+    from cudaformers.kernels.quant_gemv_mma import quant_gemv_mma
+    from cudaformers.kernels.quant_gemv_plans import default_plan, gated_formats
 
     _set_switches(module, args)
 
@@ -117,7 +118,7 @@ def main() -> None:
             ref = qm.quant_matmul_reference(x.float(), ws[0])
             errors = []
             # gate/up as the decode runs it: gated (the act-and-mul in the epilogue) where the format is
-            act = "silu" if name == "gate_up" and fmt in module.gated_formats(x.device) else None
+            act = "silu" if name == "gate_up" and fmt in gated_formats(x.device) else None
             for plan in parse_variants(args.variants):
                 staged = LOAD_NAMES.get(plan[3] if len(plan) > 3 else 0, "")
                 us = graph_us([lambda w=w, c=plan: quant_gemv_mma(x, w, plan=c, act=act) for w in ws])
@@ -168,13 +169,14 @@ def compile_variants(args) -> None:
     """One call of each variant (and of it ungated, as the error check runs it) on each layer's shape."""
     from cudaformers.kernels import quant_gemv_mma as module
     from cudaformers.kernels.quant_gemv_mma import quant_gemv_mma
+    from cudaformers.kernels.quant_gemv_plans import gated_formats
 
     _set_switches(module, args)
     for name, (n, k) in layer_shapes(args.layers).items():
         x = torch.randn(1, k, device="cuda").bfloat16()
         for fmt in args.formats.split(","):
             w = packed_copies(fmt, torch.randn(n, k, device="cuda") * 0.02, copies=1)[0][0]
-            act = "silu" if name == "gate_up" and fmt in module.gated_formats(x.device) else None
+            act = "silu" if name == "gate_up" and fmt in gated_formats(x.device) else None
             for plan in parse_variants(args.variants):
                 quant_gemv_mma(x, w, plan=plan, act=act)
                 if act:

@@ -129,11 +129,12 @@ def test_skinny_rows_run_gate_up_and_activation_in_one_launch(name, monkeypatch)
 
 @pytest.mark.parametrize("name,plan", [("qwen3", (2, 1, 1)), ("llama_bias", (2, 2, 2))])
 def test_quantized_row_runs_gate_up_and_activation_in_one_launch(name, plan, monkeypatch):
-    """One row of an int8 model with its gate/up packed: with ``quant_gemv_mma.GATED``, the fragment
+    """One row of an int8 model with its gate/up packed: with ``quant_gemv_plans.GATED``, the fragment
     GEMV (here on the CPU, its PTX emulated) returns ``act(gate) * up`` itself, so no act-and-mul launch
     runs, and the logits are the two launches' up to the GEMV's own rounding."""
     import cudaformers.kernels.activation as activation
     import cudaformers.kernels.quant_gemv_mma as fragment
+    import cudaformers.kernels.quant_gemv_plans as plans
     from cudaformers import Int8Config
     from ptx_exec import emulate_inline_asm
 
@@ -155,7 +156,7 @@ def test_quantized_row_runs_gate_up_and_activation_in_one_launch(name, plan, mon
     with torch.no_grad():
         want = model(ids).logits  # switched off: the packed GEMV's reference, then the act-and-mul kernel
         assert not gated and len(act_launches) == len(model.model.layers)
-        monkeypatch.setattr(fragment, "GATED", ("int8",))
+        monkeypatch.setattr(plans, "GATED", ("int8",))
         act_launches.clear()
         got = model(ids).logits
     assert gated == ["silu"] * len(model.model.layers) and not act_launches

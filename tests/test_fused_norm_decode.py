@@ -175,12 +175,12 @@ def test_default_on_cuda_in_inference_only(capsys):
 
 
 def test_explain_says_what_the_decode_layer_does_as_switched(monkeypatch):
-    from cudaformers.kernels import quant_gemv_mma
+    from cudaformers.kernels import quant_gemv_plans
 
     _, fused = _models("qwen3")
-    monkeypatch.setattr(quant_gemv_mma, "GATED", ())
+    monkeypatch.setattr(quant_gemv_plans, "GATED", ())
     assert "decode layer: norms folded" in fused.explain() and "gate/up at one row" not in fused.explain()
-    monkeypatch.setattr(quant_gemv_mma, "GATED", ("int4", "int8"))  # switched after loading: explain() says so
+    monkeypatch.setattr(quant_gemv_plans, "GATED", ("int4", "int8"))  # switched after loading: explain() says so
     assert "int4/int8 gate/up at one row: act(gate) * up in the GEMV" in fused.explain()
     unfused, _ = _models("qwen3")
     assert "decode layer" not in unfused.explain()

@@ -275,12 +275,13 @@ def test_gated_kernel_is_the_act_and_mul_of_the_plain_one(monkeypatch, fmt, n, k
 @pytest.mark.parametrize("n", [32, 80, 96, 128])
 def test_each_gpus_default_plan_runs_and_matches_the_reference(monkeypatch, gpu, fmt, n):
     from cudaformers.kernels import quant_gemv_mma as m
+    from cudaformers.kernels import quant_gemv_plans as plans
     from cudaformers.kernels.activation import act_and_mul_forward
     from cudaformers.kernels.quant_matmul import quant_matmul_reference
 
-    monkeypatch.setattr(m, "device_name", lambda device: gpu)
-    monkeypatch.setattr(m, "sm_count", lambda device, off_gpu: 1)
-    plan = m.default_plan(n, fmt[:4], torch.device("cuda"))
+    monkeypatch.setattr(plans, "device_name", lambda device: gpu)
+    monkeypatch.setattr(plans, "sm_count", lambda device, off_gpu: 1)
+    plan = plans.default_plan(n, fmt[:4], torch.device("cuda"))
     emulate_inline_asm(monkeypatch)
     monkeypatch.setattr(m, "WIDE_LOADS", True)
     w, x, bias = _weights(fmt, n, 256, seed=n)
@@ -305,7 +306,7 @@ QWEN3_8B_PLANS = {
 
 @pytest.mark.parametrize("gpu", sorted(QWEN3_8B_PLANS))
 def test_default_plans_on_qwen3_8b_are_the_measured_fastest(monkeypatch, gpu):
-    from cudaformers.kernels import quant_gemv_mma as m
+    from cudaformers.kernels import quant_gemv_plans as m
 
     monkeypatch.setattr(m, "device_name", lambda device: gpu)
     monkeypatch.setattr(m, "sm_count", lambda device, off_gpu: 132)
@@ -314,7 +315,7 @@ def test_default_plans_on_qwen3_8b_are_the_measured_fastest(monkeypatch, gpu):
 
 
 def test_gate_up_runs_gated_per_gpu_unless_switched(monkeypatch):
-    from cudaformers.kernels import quant_gemv_mma as m
+    from cudaformers.kernels import quant_gemv_plans as m
 
     cuda = torch.device("cuda")
     for gpu, formats in (("NVIDIA H100 80GB HBM3", ("int4", "int8")), ("NVIDIA H200", ("int4",))):

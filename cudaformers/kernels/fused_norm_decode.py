@@ -70,13 +70,13 @@ FUSE_ATTENTION_WITH_PDL = False  # measured slower under PDL on an H200 (module 
 
 def describe() -> str:
     """What the "DecoderLayer" kernel does at 1-4 rows with the switches as they are now (``explain()``)."""
-    from . import quant_gemv_mma
+    from . import quant_gemv_plans
 
     parts = [f"norms folded into the packed q/k/v and gate/up GEMVs up to {FOLD_MAX_HIDDEN} features"]
     if FUSE_ATTENTION:
         parts.append("qk_norm_rope inside the triton paged decode" + (
             "" if FUSE_ATTENTION_WITH_PDL else " where programmatic dependent launch is off"))
-    gated = quant_gemv_mma.gated_formats(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    gated = quant_gemv_plans.gated_formats(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     if gated:
         parts.append(f"{'/'.join(gated)} gate/up at one row: act(gate) * up in the GEMV")
     return "; ".join(parts)

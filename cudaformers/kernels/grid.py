@@ -34,7 +34,7 @@ def _cuda_device_name(index: int) -> str:
 
 def device_name(device: torch.device) -> str:
     """The GPU model of a CUDA ``device`` (cached, as ``sm_count``), else ``""``: what launch rules
-    measured per GPU model (``quant_gemv_mma.default_plan``) are chosen by."""
+    measured per GPU model (``quant_gemv_plans.default_plan``) are chosen by."""
     if device.type != "cuda":
         return ""
     return _cuda_device_name(device.index if device.index is not None else torch.cuda.current_device())

@@ -145,11 +145,11 @@ def _gated_skinny(mlp, x):
 def _gated_quant(mlp, x):
     """``act(gate) * up`` from one fragment-GEMV launch (``quant_gemv_mma``'s ``act``) for one row of a
     quantized model whose gate/up projections are packed, where the unfused path would run exactly
-    that GEMV and then the act-and-mul kernel, for the formats of ``quant_gemv_mma.gated_formats``. None
+    that GEMV and then the act-and-mul kernel, for the formats of ``quant_gemv_plans.gated_formats``. None
     elsewhere."""
-    from . import quant_gemv_mma, quant_matmul
+    from . import quant_gemv_mma, quant_gemv_plans, quant_matmul
 
-    gated = quant_gemv_mma.gated_formats(x.device)
+    gated = quant_gemv_plans.gated_formats(x.device)
     if not (gated and quant_matmul.USE_MMA and quant_matmul.USE_FRAGMENT_GEMV):
         return None  # (no format gated)
     from ..quant.packing import PackedQuantLinear

@@ -22,14 +22,15 @@ the load masks.
 ``WIDE_LOADS`` makes a row's 16 bytes a lane one read-only load. Measured slower on an H200 and removed
 (bench/RESULTS.md run 23): x requested a block ahead like the weights (-10%), and a block's dependent
 mmas in two chains an accumulator (-13%: more registers, fewer programs an SM).
-``default_plan`` picks warps, tiles and depth per format and layer size. On an H200 qwen3-8b's layers
-stream at 1.6-2.5 TB/s (int4) and 2.2-3.2 TB/s (int8), against 1.0-1.5 and 1.8-2.7 for the FMA GEMV
-(bench/quant_gemv_mma.py, bench/RESULTS.md runs 21-22).
+``quant_gemv_plans.default_plan`` picks warps, tiles, depth and load mode per GPU, format and layer
+size. On an H200 qwen3-8b's layers stream at 1.6-2.5 TB/s (int4) and 2.2-3.2 TB/s (int8), against
+1.0-1.5 and 1.8-2.7 for the FMA GEMV (bench/quant_gemv_mma.py, bench/RESULTS.md runs 21-22).
 
 With ``act``, a packed gate/up projection comes out as ``act(gate) * up``: the lane that holds gate row
 i also holds up row i (its tile's second half, or its second tile, lies at the up half), so the
 epilogue applies the act-and-mul kernel's own arithmetic to the rounded rows and the decode MLP loses
-that launch (``gated_formats``, through ``hub._gated_quant``; the epilogue in ``quant_gemv_epilogues.py``).
+that launch (``quant_gemv_plans.gated_formats``, through ``hub._gated_quant``; the epilogue in
+``quant_gemv_epilogues.py``).
 The decode layer's RMSNorms folded around these GEMVs (o ending in the residual add and the norm's
 shares of ``sum(h^2)``, gate/up scaled by ``1 / rms``) were built and measured slower on an H200
 (bench/RESULTS.md run 23: int4 419 -> 409 tok/s, int8 303 -> 294): removed.
@@ -44,19 +45,20 @@ import triton
 import triton.language as tl
 
 from .activation import _code
-from .grid import device_name, sm_count
 from .pdl import pdl_enabled, release_dependents, wait_for_producer
 from .quant_gemv_epilogues import store_gated, store_rows
 from .quant_fragments import INT4_GROUP, INT8_BLOCK, int4_block_asm, int8_block_asm
 from .quant_matmul import PackedWeight, interpreting
+from .quant_gemv_plans import (DEPTHS, LOADS, ORDERED, PINNED, PINNED_COHERENT, REGISTERS, STAGED,  # noqa: F401
+                               STAGED_WEIGHTS, default_plan)
 
 INT4_ASM = tl.constexpr(int4_block_asm(1))
 INT4_ASM2 = tl.constexpr(int4_block_asm(2))
 INT8_ASM = tl.constexpr(int8_block_asm(1))
 INT8_ASM2 = tl.constexpr(int8_block_asm(2))
 FMT_INT4, FMT_INT8 = tl.constexpr(0), tl.constexpr(1)
-DEPTHS = (1, 2, 3)  # blocks of weights a warp has in flight while it works on one
-# How a warp's blocks of weights reach it, a plan's optional fourth element (bench letters in brackets):
+# How a warp's blocks of weights reach it: the load modes of a plan (``quant_gemv_plans``), bench letters in
+# brackets:
 # - REGISTERS: loaded DEPTH blocks ahead in the source. But ptxas schedules the loads again, for its
 #   registers: in sm_90 SASS (bench/sass_schedule.py, triton 3.6's ptxas 12.8) the next block's loads sit
 #   30-50 instructions before their first use whatever the depth, an eighth to a third of a block ahead
@@ -74,8 +76,6 @@ DEPTHS = (1, 2, 3)  # blocks of weights a warp has in flight while it works on o
 #   which ptxas keeps in program order among themselves (x comes after the blocks ahead, and the work needs
 #   x): about the distances of PINNED_COHERENT without a MEMBAR. On an H100 no faster than it (run 34; at
 #   depth 3 slower); the H200 has not run it.
-REGISTERS, STAGED, STAGED_WEIGHTS, PINNED, PINNED_COHERENT, ORDERED = 0, 1, 2, 3, 4, 5
-LOADS = (REGISTERS, STAGED, STAGED_WEIGHTS, PINNED, PINNED_COHERENT, ORDERED)
 
 
 def load_constexprs(loads: int) -> dict:
@@ -86,19 +86,6 @@ def load_constexprs(loads: int) -> dict:
 # instructions a block in sm_90 SASS, but not faster on an H200 (run 23, qwen3-8b decode: int4 +0.8%
 # alone, -2.9% with the gated GEMV and the wide loads; int8 -2.2%). Off.
 UNMASKED_EVEN = False
-# The formats whose packed gate/up at one row runs as one launch with the act-and-mul in its epilogue
-# (``act`` of ``quant_gemv_mma``, through ``hub._gated_quant``): the same GEMV work and one launch fewer a
-# layer, bit for bit the unfused result. None: per GPU (``gated_formats``); a tuple overrides it
-# (benchmarks, tests).
-GATED = None
-
-
-def gated_formats(device: torch.device) -> tuple[str, ...]:
-    """qwen3-8b decode: on an H200 (bench/RESULTS.md run 23) int4 406-411 -> 419-425 tok/s, int8 303 -> 296,
-    so int8 keeps the two launches there; on an H100 at its own plans (run 26) int4 372 -> 387, int8 271 -> 279."""
-    if GATED is not None:
-        return GATED
-    return ("int4", "int8") if _on_h100(device) else ("int4",)
 # A lane's 16 bytes of a row as one load (``ld.global.nc.L1::no_allocate.v2.u64``: the read-only path,
 # not kept in L1, since each weight is read once) instead of two 8-byte loads, each of which touches half
 # of the same two sectors: half the load instructions and requests for the weights (sm_90 SASS:
@@ -467,59 +454,6 @@ def supports(x: torch.Tensor, w: PackedWeight) -> bool:
             and x.shape[0] == 1 and x.stride(1) == 1 and x.data_ptr() % 16 == 0 and w.out_features % 16 == 0
             and w.in_features == w.n_blocks * w.block and w.qweight.data_ptr() % 16 == 0
             and torch.cuda.get_device_capability(x.device)[0] >= 8)
-
-
-def default_plan(n: int, fmt: str, device: torch.device) -> tuple:
-    """The plan (warps, tiles, depth[, loads]) for ``n`` rows of ``fmt`` on ``device``: the rules measured
-    on that GPU where there are some (``_H100_PLAN``), else the H200's (``_H200_PLAN``, also what the
-    CPU tests launch)."""
-    sms = sm_count(device, 8)
-    few = n // 16 <= 2 * sms  # 16-row programs at most two an SM
-    pairs = n % 32 == 0  # whole 32-row programs (two tiles a warp)
-    pairs_many = pairs and n // 32 >= 4 * sms  # and four or more an SM
-    return (_H100_PLAN if _on_h100(device) else _H200_PLAN)(fmt, few, pairs, pairs_many)
-
-
-def _on_h100(device: torch.device) -> bool:
-    return "H100" in device_name(device)
-
-
-def _H200_PLAN(fmt: str, few: bool, pairs: bool, pairs_many: bool) -> tuple:
-    """From qwen3-8b's layers on an H200 (us per call, bench/quant_gemv_mma.py, bench/RESULTS.md run 22),
-    before the pinned load modes existed:
-
-    - 16 warps where the 16-row programs are at most two per SM: more warps put more of a program's
-      blocks in flight (int4: o 5.5 against 6.3 with 8 warps, down 12.0 against 15.1; int8: o 7.7
-      against 8.9, down 16.9 against 22.0, two blocks deep);
-    - int4: two tiles a warp where the 32-row programs are four or more per SM (gate/up, a quantized
-      lm_head), which share x, its pairing and its sum over twice the rows (gate/up 20.0 against 21.3);
-      else one tile, two blocks deep (q/k/v 6.8 against 7.6 one deep);
-    - int8: one tile, three blocks deep (q/k/v 10.3 against 11.5 one deep, gate/up 31.6 against 35.9;
-      two tiles measured slower on every layer)."""
-    if fmt == "int8":
-        return (16, 1, 2) if few else (8, 1, 3)
-    return (16, 1, 1) if few else (8, 2, 1) if pairs_many else (8, 1, 2)
-
-
-def _H100_PLAN(fmt: str, few: bool, pairs: bool, pairs_many: bool) -> tuple:
-    """From qwen3-8b's layers on an H100 SXM (bench/RESULTS.md runs 25 and 26, which agree within 1.5%):
-    the coherent pinned loads (``PINNED_COHERENT``) win 7 of 8 layers, us per call against the H200's
-    rules on the same GPU:
-
-    - int4 o and down (few programs): 8 warps, two deep, coherent: o 5.2 against 6.1 (16 warps), down
-      12.4 against 12.3 (a tie, one rule for both);
-    - int4 q/k/v and gate/up: two tiles a warp, coherent: q/k/v 7.2 against 8.0 (one tile two deep, which
-      stays where the rows are not whole pairs of tiles: coherent it took 9.0), gate/up gated 22.4 against
-      22.4;
-    - int8 few: 16 warps, one deep, coherent: o 7.9 against 9.3, down 19.4 against 21.1;
-    - int8 gate/up: two tiles, coherent, 36.7 against 38.6; q/k/v three deep, coherent, 11.2 against 11.9.
-    The W2 decode at these plans: int4 2.10-2.13x bf16 (2.06x at the H200's rules), int8 1.47x (1.43x)."""
-    if fmt == "int8":
-        return (16, 1, 1, PINNED_COHERENT) if few else (8, 2, 1, PINNED_COHERENT) if pairs_many \
-            else (8, 1, 3, PINNED_COHERENT)
-    if few:
-        return 8, 1, 2, PINNED_COHERENT
-    return (8, 2, 1, PINNED_COHERENT) if pairs else (8, 1, 2)
 
 
 def _check(x: torch.Tensor, w: PackedWeight) -> None:

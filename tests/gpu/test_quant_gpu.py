@@ -367,6 +367,7 @@ def test_quantized_decode_with_gated_gemv_gives_the_same_tokens(method, monkeypa
     """batch 1: ``GATED`` on runs the gated fragment GEMV at every decode step and gives the same greedy
     tokens as the two launches, graphs and eager."""
     from cudaformers.kernels import quant_gemv_mma as fragment
+    from cudaformers.kernels import quant_gemv_plans
 
     model = _wide_model(method)
     ids = torch.randint(3, 4000, (1, 9), generator=torch.Generator().manual_seed(0)).cuda()
@@ -375,7 +376,7 @@ def test_quantized_decode_with_gated_gemv_gives_the_same_tokens(method, monkeypa
     calls = []
     real = fragment.quant_gemv_mma
     monkeypatch.setattr(fragment, "quant_gemv_mma", lambda *a, **k: calls.append(k.get("act")) or real(*a, **k))
-    monkeypatch.setattr(fragment, "GATED", ("int4", "int8"))
+    monkeypatch.setattr(quant_gemv_plans, "GATED", ("int4", "int8"))
     model.__dict__.pop("_decode_runners", None)  # graphs captured without the switch
     got = model.generate(ids, **kw)
     eager = model.generate(ids, use_cuda_graph=False, **kw)
