@@ -5,6 +5,8 @@ qwen3-8b's layers at batch 1 (q/k/v and gate/up packed), weights read from HBM (
         [--variants 8,2,1;8,2,2,s] [--unmasked] [--nowide] [--folds] [--compile-jobs 8]
 
 us per call in a CUDA graph of 50 calls (PDL as in decode; best of five replays), and the packed bytes' rate;
+at the end, per variant timed on layers of two or more sizes, a fit of its time as a fixed cost a launch
+plus the bytes at a steady rate (``launch_cost_fit``), which tells a ramp-and-tail problem from a slow loop;
 the bf16 GEMV of the same layer for scale; gate/up gated for the formats that run it so on this GPU
 (``quant_gemv_plans.gated_formats``).
 Fragment variants are (warps, tiles a warp, blocks in flight) and a letter for how the blocks load
@@ -104,6 +106,7 @@ def main() -> None:
 
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     total: dict[str, float] = {}
+    timed: dict[str, list[tuple[int, float]]] = {}  # label -> (bytes, us) a layer, for launch_cost_fit
     best: dict[tuple, dict] = {}
     for name, (n, k) in layer_shapes(args.layers).items():
         w32 = torch.randn(n, k, device="cuda") * 0.02
@@ -133,11 +136,28 @@ def main() -> None:
         for label, (us, nbytes) in rows.items():
             print(f"  {label:30s} {us:7.2f} us  {nbytes / 1e6 / us:5.2f} TB/s")
             total[label] = total.get(label, 0.0) + us
+            timed.setdefault(label, []).append((nbytes, us))
         if args.best:  # after every layer, so that a run cut short still leaves the layers it timed
             Path(args.best).write_text(json.dumps(list(best.values()), indent=1))
     print(f"the layers together ({args.layers}):", {k: round(v, 2) for k, v in total.items()})
+    for label, points in timed.items():
+        if len({nbytes for nbytes, _ in points}) >= 2:
+            fixed_us, tb_s = launch_cost_fit(points)
+            print(f"  {label:30s} {fixed_us:5.2f} us a launch + bytes at {tb_s:4.2f} TB/s (over the layers)")
     if args.best:
         print("fastest:", list(best.values()))
+
+
+def launch_cost_fit(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """Least squares of ``us = fixed + bytes / rate`` over layers of different sizes: (fixed us a launch,
+    rate in TB/s). A kernel that streams well but pays a ramp and tail each launch shows a large fixed
+    part and a rate near the copy bandwidth; one limited by its loop shows a low rate."""
+    n = len(points)
+    mean_b = sum(b for b, _ in points) / n
+    mean_t = sum(t for _, t in points) / n
+    slope = (sum((b - mean_b) * (t - mean_t) for b, t in points)
+             / sum((b - mean_b) ** 2 for b, _ in points))  # us a byte
+    return mean_t - slope * mean_b, 1e-6 / slope
 
 
 def _set_switches(module, args) -> None:

@@ -325,3 +325,18 @@ def test_gate_up_runs_gated_per_gpu_unless_switched(monkeypatch):
         assert m.gated_formats(cuda) == ()
         monkeypatch.setattr(m, "GATED", None)
     assert m.gated_formats(torch.device("cpu")) == ("int4",)
+
+
+def test_launch_cost_fit_splits_a_layers_time_into_a_fixed_part_and_a_rate():
+    """bench/quant_gemv_mma.py's fit: layers timed at 3 us a launch plus 2.5 TB/s give those back, and
+    noise-free points of one rate give no fixed part."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_quant_gemv_mma", "bench/quant_gemv_mma.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    sizes = [8.9e6, 13.3e6, 26.7e6, 53.0e6]  # qwen3-8b's int4 o, q/k/v, down, gate/up bytes
+    fixed_us, tb_s = bench.launch_cost_fit([(b, 3.0 + b / 2.5e6) for b in sizes])
+    assert abs(fixed_us - 3.0) < 1e-9 and abs(tb_s - 2.5) < 1e-9
+    fixed_us, tb_s = bench.launch_cost_fit([(b, b / 4.0e6) for b in sizes[:2]])
+    assert abs(fixed_us) < 1e-9 and abs(tb_s - 4.0) < 1e-9
