@@ -10,9 +10,9 @@ plus the bytes at a steady rate (``launch_cost_fit``), which tells a ramp-and-ta
 the bf16 GEMV of the same layer for scale; gate/up gated for the formats that run it so on this GPU
 (``quant_gemv_plans.gated_formats``).
 Fragment variants are (warps, tiles a warp, blocks in flight) and a letter for how the blocks load
-(``quant_gemv_plans.LOADS``, described in ``quant_gemv_mma.py``): none in registers, "s" staged through shared memory (``cp.async``), "w"
-their weights only, "p" in registers past a fence a block, "c" so on the coherent path, "o" relaxed loads in
-order, no fence.
+(``quant_gemv_plans.LOADS``, described in ``quant_gemv_mma.py``): none in registers, "s" staged through
+shared memory (``cp.async``), "w" their weights only, "p" in registers past a fence a block, "c" so on the
+coherent path, "o" relaxed loads in order, no fence.
 ``--folds`` instead times gate/up with the act-and-mul in its epilogue against gate/up then the
 act-and-mul kernel, at the default plans.
 """
