@@ -45,9 +45,9 @@ VARIANTS = ("8,1,1;16,1,1;4,2,1;8,2,1;8,1,2;16,1,2;4,2,2;8,2,2;8,1,3;16,1,3;4,2,
 
 def parse_variants(text: str) -> list[tuple]:
     """``"8,2,1;8,2,2,s;8,2,2,w"`` -> ``[(8, 2, 1), (8, 2, 2, 1), (8, 2, 2, 2)]``: a letter names how the
-    blocks load (``quant_gemv_plans.LOADS``, described in ``quant_gemv_mma.py``): ``s`` staged through shared memory, ``w`` their weights only
-    (x loaded in place), ``p`` in registers past a fence, ``c`` so on the coherent path, ``o`` relaxed loads
-    kept in order without a fence."""
+    blocks load (``quant_gemv_plans.LOADS``, described in ``quant_gemv_mma.py``): ``s`` staged through
+    shared memory, ``w`` their weights only (x loaded in place), ``p`` in registers past a fence, ``c`` so
+    on the coherent path, ``o`` relaxed loads kept in order without a fence."""
     return [tuple(int(v) for v in item.split(",")[:3]) + LOAD_LETTERS.get(item.split(",")[-1], ())
             for item in text.split(";") if item]
 

@@ -48,9 +48,9 @@ from .activation import _code
 from .pdl import pdl_enabled, release_dependents, wait_for_producer
 from .quant_gemv_epilogues import store_gated, store_rows
 from .quant_fragments import INT4_GROUP, INT8_BLOCK, int4_block_asm, int8_block_asm
+from .quant_gemv_plans import (DEPTHS, LOADS, ORDERED, PINNED, PINNED_COHERENT, REGISTERS, STAGED, STAGED_WEIGHTS,
+                               default_plan)
 from .quant_matmul import PackedWeight, interpreting
-from .quant_gemv_plans import (DEPTHS, LOADS, ORDERED, PINNED, PINNED_COHERENT, REGISTERS, STAGED,  # noqa: F401
-                               STAGED_WEIGHTS, default_plan)
 
 INT4_ASM = tl.constexpr(int4_block_asm(1))
 INT4_ASM2 = tl.constexpr(int4_block_asm(2))
