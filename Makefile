@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 PROMPT ?= What is the capital of France? Answer in one sentence.
 BIN := $(VENV)/bin
 
-.PHONY: install install-test run test gpu-test
+.PHONY: install install-test run test gpu-test offline-wheels
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,3 +35,13 @@ test: install-test
 
 gpu-test:
 	python3 -m pytest -q -m gpu tests
+
+# Wheels for a GPU machine without network whose image already has torch, triton and the rest: the server
+# stack, built for that machine's Python; there, `pip install --no-index --no-deps .whl/*.whl`
+# (bench/gpu_session.sh does it when .whl holds wheels).
+OFFLINE_PYTHON ?= 3.12
+OFFLINE_PACKAGES ?= starlette==1.10.0 uvicorn==0.55.0 httptools==0.9.0 uvloop==0.23.0
+offline-wheels:
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version $(OFFLINE_PYTHON) --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	  -d .whl $(OFFLINE_PACKAGES)

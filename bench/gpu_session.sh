@@ -23,10 +23,8 @@ save_cache() {  # at most 15 MiB comes back (the transfer limit is 16 MiB a file
 }
 trap save_cache EXIT
 # Packages the GPU image lacks (the server's starlette, uvicorn, httptools and uvloop) travel as wheels
-# in $WHEELS (default .whl), fetched where pip has the network, e.g. `python3 -m pip download --no-deps
-# --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 --platform
-# manylinux_2_28_x86_64 -d .whl starlette==1.10.0 uvicorn==0.55.0 httptools==0.9.0 uvloop==0.23.0`
-# (their own needs are on the image).
+# in $WHEELS (default .whl), fetched where pip has the network with `make offline-wheels` (their own
+# needs are on the image).
 WHEELS="${WHEELS:-.whl}"
 if ls "$WHEELS"/*.whl > /dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \

@@ -46,3 +46,17 @@ def test_guide_examples_run_on_cpu(guide, tmp_path):
 @pytest.mark.parametrize("guide", [p for p in GUIDES if blocks(p, gpu=True)], ids=lambda p: p.stem)
 def test_guide_gpu_examples(guide, tmp_path):
     run_blocks(blocks(guide, gpu=False) + blocks(guide, gpu=True), tmp_path)
+
+
+MAKE_COMMAND = re.compile(r"\bmake (?P<target>[a-z][a-z-]*)")
+MAKE_TARGET = re.compile(r"^(?P<target>[a-z][a-z-]*):", re.M)
+
+
+def test_make_commands_in_the_guides_name_makefile_targets():
+    root = DOCS.parent
+    targets = set(MAKE_TARGET.findall((root / "Makefile").read_text()))
+    named = {m["target"]: path.name for path in [root / "README.md", *GUIDES]
+             for m in MAKE_COMMAND.finditer(path.read_text())}
+    assert {"run", "test", "offline-wheels"} <= set(named)
+    missing = {target: where for target, where in named.items() if target not in targets}
+    assert not missing, f"make targets named in the guides but not in the Makefile: {missing}"
